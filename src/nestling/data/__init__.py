@@ -1,0 +1,1 @@
+"""nestling data stage."""

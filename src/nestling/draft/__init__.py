@@ -1,0 +1,1 @@
+"""nestling draft stage."""

@@ -1,0 +1,1 @@
+"""nestling evaluate stage."""

@@ -1,0 +1,1 @@
+"""The target model: loading (HF folder or GGUF) and layer-id conventions."""

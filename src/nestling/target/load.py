@@ -1,0 +1,162 @@
+"""Load a target: a local Hugging Face folder or a `.gguf` file (converted once to safetensors).
+
+Stages that need only a few tensors (the trainer needs embedding, lm_head and final norm) read
+them straight from the safetensors files, never the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from nestling.errors import NestlingError
+from nestling.manifest import hash_bytes, hash_files, hash_json
+from nestling.progress import log
+
+
+def is_gguf(model: str | Path) -> bool:
+    return str(model).endswith(".gguf")
+
+
+def convert_gguf(gguf: Path, out: Path, dtype: str = "bfloat16") -> Path:
+    """Dequantize a GGUF checkpoint into a safetensors folder with its tokenizer (done once, cached)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf = Path(gguf)
+    if not gguf.exists():
+        raise NestlingError(f"GGUF file {gguf} does not exist")
+    log(f"[target] converting {gguf.name} to a {dtype} safetensors folder at {out} (once) ...")
+    kw: dict[str, Any] = {"gguf_file": gguf.name}
+    try:
+        kw["quantization_config"] = GgufConfig(dequantize=True)
+    except TypeError:
+        pass
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=getattr(torch, dtype), **kw)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = Path(str(out) + ".part")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out) if not out.exists() else None
+    return out
+
+
+def resolve_target(model: str | Path) -> Path:
+    """A local folder with config.json and safetensors; a GGUF is converted once into the cache."""
+    from nestling.assets import cache_dir
+
+    p = Path(model)
+    if is_gguf(model):
+        if not p.exists():
+            raise NestlingError(f"target {model} does not exist")
+        out = cache_dir() / "models" / f"{p.stem}-{hash_files([p])}"
+        if not (out / "config.json").exists():
+            convert_gguf(p, out)
+        return out
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise NestlingError(f"target folder {p} has no config.json; point --target at a Hugging Face model folder or a .gguf file")
+        return p
+    if p.exists():
+        raise NestlingError(f"target {p} is a file but not a .gguf; give a model folder or a .gguf file")
+    if "/" in str(model) and not str(model).startswith((".", "/")):
+        raise NestlingError(
+            f"target {model!r} is not a local folder. nestling loads local folders or .gguf files; "
+            f"download the model first (e.g. `huggingface-cli download {model} --local-dir DIR`) and pass DIR."
+        )
+    raise NestlingError(f"target {model} does not exist")
+
+
+def load_config(target: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve_target(target))
+
+
+def load_tokenizer(target: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_target(target))
+
+
+def load_model(target: str | Path, dtype: str = "bfloat16", device: str = "cpu", device_map: str | None = None):
+    """The target as an eval-mode transformers model with SDPA attention."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_target(target)
+    kw: dict[str, Any] = {"dtype": getattr(torch, dtype), "attn_implementation": "sdpa"}
+    if device_map:
+        kw["device_map"] = device_map
+    model = AutoModelForCausalLM.from_pretrained(path, **kw)
+    if not device_map:
+        model = model.to(device)
+    return model.eval()
+
+
+def _weight_map(target_dir: Path) -> dict[str, str]:
+    index = target_dir / "model.safetensors.index.json"
+    if index.exists():
+        return json.loads(index.read_text())["weight_map"]
+    files = sorted(target_dir.glob("*.safetensors"))
+    if not files:
+        raise NestlingError(f"{target_dir} holds no .safetensors weights")
+    from safetensors import safe_open
+
+    out = {}
+    for f in files:
+        with safe_open(f, "pt") as sf:
+            out.update({k: f.name for k in sf.keys()})
+    return out
+
+
+def read_tensors(target: str | Path, names: list[str]) -> dict:
+    """Read only the named tensors from the target's safetensors files (memory-mapped)."""
+    from safetensors import safe_open
+
+    target_dir = resolve_target(target)
+    wmap = _weight_map(target_dir)
+    missing = [n for n in names if n not in wmap]
+    if missing:
+        raise NestlingError(f"target {target_dir} has no tensors {missing}")
+    out = {}
+    for n in names:
+        with safe_open(target_dir / wmap[n], "pt") as sf:
+            out[n] = sf.get_tensor(n)
+    return out
+
+
+def head_tensor_names(target: str | Path) -> dict[str, str]:
+    """Names of the embedding, lm_head and final norm in the target's checkpoint (lm_head may be tied)."""
+    wmap = _weight_map(resolve_target(target))
+    def pick(*cands: str) -> str | None:
+        return next((c for c in cands if c in wmap), None) or next(
+            (k for k in wmap for c in cands if k.endswith(c.split("model.", 1)[-1]) and "layers" not in k), None)
+    embed = pick("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+    norm = pick("model.norm.weight", "model.language_model.norm.weight")
+    lm_head = pick("lm_head.weight") or embed
+    if embed is None or norm is None:
+        raise NestlingError(f"cannot find embedding / final norm tensors in {target}")
+    return {"embed": embed, "lm_head": lm_head, "norm": norm}
+
+
+def target_fingerprint(target: str | Path) -> str:
+    """Config + weights: two targets with the same fingerprint produce the same hidden states."""
+    d = resolve_target(target)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg = {k: v for k, v in cfg.items() if k not in ("transformers_version", "_name_or_path")}
+    return hash_bytes(hash_json(cfg).encode(), hash_files(sorted(d.glob("*.safetensors"))).encode())
+
+
+def tokenizer_fingerprint(tokenizer, chat_template: str | None = None) -> str:
+    """Vocabulary + special tokens + chat template: equal fingerprints tokenize identically."""
+    vocab = tokenizer.get_vocab()
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    return hash_json({
+        "vocab": hash_json(sorted(vocab.items())),
+        "special": sorted(map(str, tokenizer.all_special_tokens)),
+        "template": template,
+        "cls": type(tokenizer).__name__,
+    })

@@ -1,0 +1,39 @@
+"""Shared fixtures: real assets from the package index (cached) and tiny random-weight targets."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("NESTLING_CACHE", str(Path.home() / ".cache" / "nestling"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct as a bf16 safetensors folder."""
+    from nestling.assets import smollm2_dir
+
+    return smollm2_dir()
+
+
+@pytest.fixture(scope="session")
+def sharegpt_path() -> Path:
+    from nestling.assets import sharegpt_json
+
+    return sharegpt_json()
+
+
+@pytest.fixture(scope="session")
+def tiny_target(smollm2_dir):
+    """Factory: tiny_target('llama') -> folder of a random-weight target (built once per cache)."""
+    from nestling.assets import cache_dir
+    from nestling.target.tiny import build_tiny_target
+
+    def make(arch: str = "llama", seed: int = 0) -> Path:
+        return build_tiny_target(arch, cache_dir() / "tiny" / f"{arch}-s{seed}", tokenizer_dir=smollm2_dir, seed=seed)
+
+    return make

@@ -1,0 +1,88 @@
+"""Settings, manifests, progress and layer ids: the pieces every stage shares."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pytest
+
+from nestling.config import from_dict, load_settings, parse_overrides
+from nestling.errors import NestlingError
+from nestling.manifest import atomic_write_json, read_manifest, write_manifest
+from nestling.progress import Progress
+from nestling.target.layers import default_aux_layers, default_capture_layers, validate_layer_ids
+
+
+@dataclass
+class Inner:
+    lr: float = 1e-3
+    layers: list[int] = field(default_factory=lambda: [2, 3])
+
+
+@dataclass
+class Outer:
+    name: str = "x"
+    steps: int = 10
+    flag: bool = False
+    inner: Inner = field(default_factory=Inner)
+
+
+def test_from_dict_types_and_nesting():
+    cfg = from_dict(Outer, {"steps": "20", "flag": "true", "inner": {"lr": "3e-4", "layers": "1,5"}})
+    assert cfg.steps == 20 and cfg.flag is True
+    assert cfg.inner.lr == pytest.approx(3e-4) and cfg.inner.layers == [1, 5]
+
+
+def test_unknown_key_names_key_and_valid_ones():
+    with pytest.raises(NestlingError) as e:
+        from_dict(Outer, {"inner": {"lrr": 1}})
+    assert "inner.lrr" in str(e.value) and "layers, lr" in str(e.value)
+
+
+def test_bad_value_type_is_clear():
+    with pytest.raises(NestlingError, match="steps: expected int"):
+        from_dict(Outer, {"steps": "many"})
+
+
+def test_yaml_then_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("steps: 5\ninner:\n  lr: 0.1\n")
+    cfg = load_settings(Outer, p, ["inner.lr=0.5", "name=y"])
+    assert (cfg.steps, cfg.inner.lr, cfg.name) == (5, 0.5, "y")
+    with pytest.raises(NestlingError, match="key=value"):
+        parse_overrides(["oops"])
+
+
+def test_manifest_roundtrip_and_missing(tmp_path):
+    with pytest.raises(NestlingError, match="manifest.json is missing"):
+        read_manifest(tmp_path, "data")
+    write_manifest(tmp_path, "data", {"a": 1}, {"x": "y"}, counts={"kept": 3})
+    m = read_manifest(tmp_path, "data")
+    assert m["settings"] == {"a": 1} and m["counts"]["kept"] == 3
+    with pytest.raises(NestlingError, match="expected 'capture'"):
+        read_manifest(tmp_path, "capture")
+
+
+def test_atomic_write_leaves_no_temp(tmp_path):
+    atomic_write_json(tmp_path / "a.json", {"k": 1})
+    assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
+    assert json.loads((tmp_path / "a.json").read_text()) == {"k": 1}
+
+
+def test_progress_lines_have_rate_and_eta(tmp_path, capsys):
+    state = tmp_path / "state.json"
+    p = Progress("capture", total=10, unit="samples", interval=0, state_file=state)
+    p.update(5, tokens=500)
+    err = capsys.readouterr().err
+    assert "5/10 samples" in err and "tok/s" in err and "ETA" in err
+    assert json.loads(state.read_text())["done"] == 5
+
+
+def test_layer_ids():
+    assert default_aux_layers(30) == [2, 15, 27]
+    assert default_capture_layers(61) == [2, 30, 58, 61]
+    with pytest.raises(NestlingError, match="valid ids are 0..6"):
+        validate_layer_ids([2, 3, 9], 6)
+    with pytest.raises(NestlingError, match="final state"):
+        validate_layer_ids([1, 2, 3], 6)
