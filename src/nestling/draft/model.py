@@ -1,0 +1,260 @@
+"""The EAGLE-3 draft, exactly as DESIGN.md defines it, with tensor names equal to the export contract.
+
+    g      = fc(concat(a1, a2, a3))                          (first step only)
+    x      = concat(input_layernorm(embed(tok)), hidden_norm(g))   -> attention (q/k/v take 2H)
+    r      = g + o_proj(attn(x))
+    h      = r + mlp(post_attention_layernorm(r))            (h, pre-norm, feeds the next step)
+    logits = lm_head(norm(h))                                (over the draft vocabulary)
+
+The layer is split into `qkv` (projections + rotary) and `finish` (o_proj, residuals, MLP) so that
+the batched training-time test and the step-by-step KV-cache decoder share every weight-touching
+line and differ only in which keys a query may attend to.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nestling.errors import NestlingError
+
+
+@dataclass
+class DraftConfig:
+    """Shapes of the draft (copied from the target) plus its vocabulary and aux layers."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: list[int]  # nestling convention (HF hidden_states indices)
+    num_target_layers: int
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int = 4096
+    hidden_act: str = "silu"
+    target: str = ""
+    target_fingerprint: str = ""
+    target_model_type: str = "llama"
+
+    @classmethod
+    def from_target(cls, hf_config, draft_vocab_size: int, aux_layer_ids: list[int], **kw) -> "DraftConfig":
+        cfg = getattr(hf_config, "text_config", None) or hf_config
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        # MLA targets (DeepSeek-V3) have no plain head_dim; the draft is a Llama layer regardless.
+        if getattr(cfg, "qk_rope_head_dim", None) is not None or head_dim * heads < cfg.hidden_size // 4:
+            head_dim = cfg.hidden_size // heads
+        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        if not rope:
+            rope = {"rope_type": "default", "rope_theta": float(getattr(cfg, "rope_theta", 10000.0))}
+        if rope.get("rope_type") not in ("default", "llama3", "linear", "dynamic", "yarn", None):
+            rope = {"rope_type": "default", "rope_theta": float(rope.get("rope_theta", 10000.0))}
+        return cls(
+            hidden_size=cfg.hidden_size,
+            intermediate_size=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            vocab_size=cfg.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            aux_layer_ids=list(aux_layer_ids),
+            num_target_layers=cfg.num_hidden_layers,
+            rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
+            rope_parameters=rope,
+            max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 4096)),
+            hidden_act=getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", "silu"),
+            target_model_type=getattr(cfg, "model_type", "llama"),
+            **kw,
+        )
+
+    def save(self, path: Path) -> None:
+        from nestling.manifest import atomic_write_json
+
+        atomic_write_json(Path(path), asdict(self))
+
+    @classmethod
+    def load(cls, path: Path) -> "DraftConfig":
+        path = Path(path)
+        if not path.exists():
+            raise NestlingError(f"{path} is missing: not a nestling training folder")
+        return cls(**json.loads(path.read_text()))
+
+    def llama_config(self):
+        """The equivalent transformers LlamaConfig (for rotary init and for export)."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, num_hidden_layers=1, vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps, rope_parameters=dict(self.rope_parameters),
+            max_position_embeddings=self.max_position_embeddings, hidden_act=self.hidden_act,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(2 * c.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.hidden_size, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        from transformers.activations import ACT2FN
+
+        self.act = ACT2FN[c.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    """The one decoder layer. Names match the export contract (`midlayer.*`)."""
+
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+class Eagle3Draft(nn.Module):
+    """Draft module; `embed_tokens` is the target's (frozen, never exported)."""
+
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        self.config = c
+        n_aux = len(c.aux_layer_ids)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(n_aux * c.hidden_size, c.hidden_size, bias=False)
+        self.midlayer = MidLayer(c)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.rotary = LlamaRotaryEmbedding(c.llama_config())
+        # d2t[i] = target_id(i) - i ; t2d[t] = token t is in the draft vocabulary
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+
+    # ---- the layer, in two halves shared by TTT and the KV-cache decoder -------------------------
+
+    def qkv(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor):
+        """[B,T] ids, [B,T,H] hidden, [B,T] positions -> q [B,nh,T,D], k, v [B,nkv,T,D] (rotated)."""
+        layer = self.midlayer
+        emb = self.embed_tokens(input_ids).to(hidden.dtype)
+        x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
+        a = layer.self_attn
+        B, T, _ = x.shape
+        q = a.q_proj(x).view(B, T, a.n_heads, a.head_dim).transpose(1, 2)
+        k = a.k_proj(x).view(B, T, a.n_kv, a.head_dim).transpose(1, 2)
+        v = a.v_proj(x).view(B, T, a.n_kv, a.head_dim).transpose(1, 2)
+        cos, sin = self.rotary(x, position_ids)
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """SDPA with an explicit boolean mask (True = may attend), GQA by repeating k/v."""
+        rep = q.shape[1] // k.shape[1]
+        out = F.scaled_dot_product_attention(q, repeat_kv(k, rep), repeat_kv(v, rep), attn_mask=mask)
+        B, _, T, _ = out.shape
+        return out.transpose(1, 2).reshape(B, T, -1)
+
+    def finish(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """o_proj + residual from the hidden input, then MLP + residual: returns pre-norm h."""
+        layer = self.midlayer
+        r = hidden + layer.self_attn.o_proj(attn)
+        return r + layer.mlp(layer.post_attention_layernorm(r))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))
+
+    # ---- step-by-step decoding with a KV cache (the engine's way) --------------------------------
+
+    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+             cache: "KVCache") -> torch.Tensor:
+        """One draft forward over new tokens, attending to the cache plus causally to themselves.
+
+        Returns pre-norm h [B,T,H]; the cache grows by T. `hidden` is fc(aux) for target features
+        or the previous step's h for the draft's own chain.
+        """
+        q, k, v = self.qkv(input_ids, hidden, position_ids)
+        k_all, v_all = cache.append(k, v)
+        T, S = q.shape[2], k_all.shape[2]
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        return self.finish(self.attend(q, k_all, v_all, mask), hidden)
+
+    # ---- weights -----------------------------------------------------------------------------------
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors under the export contract's names (no embedding, no rotary buffers)."""
+        return {k: v for k, v in self.state_dict().items()
+                if not k.startswith(("embed_tokens.", "rotary."))}
+
+    def load_export_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        missing, unexpected = self.load_state_dict(tensors, strict=False)
+        missing = [m for m in missing if not m.startswith(("embed_tokens.", "rotary."))]
+        if missing or unexpected:
+            raise NestlingError(f"draft weights do not match the model: missing {missing}, unexpected {unexpected}")
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+
+class KVCache:
+    """Grows along the sequence axis; `truncate` drops rejected draft entries."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def truncate(self, length: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]

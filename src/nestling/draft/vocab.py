@@ -1,0 +1,66 @@
+"""The reduced draft vocabulary: the N most frequent target tokens among supervised positions.
+
+Stored the way the engines read it: `d2t[i] = target_id(i) - i` (int64 offsets, target ids in
+ascending order) and `t2d` (bool over the target vocabulary).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from nestling.errors import NestlingError
+
+
+def count_tokens(token_batches, vocab_size: int) -> torch.Tensor:
+    """Histogram of token ids over an iterable of 1-D id tensors (the supervised targets)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids in token_batches:
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise NestlingError(f"token id {int(ids.max())} is outside the target vocabulary of {vocab_size}")
+        counts += torch.bincount(ids, minlength=vocab_size)
+    return counts
+
+
+def build_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) for the `draft_vocab_size` most frequent ids (ties broken by lower id)."""
+    vocab_size = counts.numel()
+    n = min(draft_vocab_size, vocab_size)
+    if counts.sum() == 0:
+        raise NestlingError("no supervised tokens to build the draft vocabulary from (is the data empty?)")
+    # stable order: most frequent first, lower id first among equals
+    order = torch.argsort(counts * vocab_size + (vocab_size - 1 - torch.arange(vocab_size)), descending=True)
+    chosen = torch.sort(order[:n]).values
+    d2t = chosen - torch.arange(n)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[chosen] = True
+    return d2t, t2d
+
+
+def draft_ids_to_target(d2t: torch.Tensor) -> torch.Tensor:
+    """Target id of every draft id (the lm_head rows to take from the target)."""
+    return torch.arange(d2t.numel(), device=d2t.device) + d2t
+
+
+def target_to_draft_index(t2d: torch.Tensor) -> torch.Tensor:
+    """Map target id -> draft id (-1 where not in the draft vocabulary)."""
+    out = torch.full((t2d.numel(),), -1, dtype=torch.long, device=t2d.device)
+    out[t2d] = torch.arange(int(t2d.sum()), device=t2d.device)
+    return out
+
+
+def save_vocab(path: Path, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+    from safetensors.torch import save_file
+
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp")
+    save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(tmp))
+    tmp.replace(path)
+
+
+def load_vocab(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    t = load_file(str(path))
+    return t["d2t"], t["t2d"]

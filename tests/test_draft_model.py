@@ -1,0 +1,47 @@
+"""The draft module's shapes, names and vocabulary mapping (contract with the engines)."""
+
+from __future__ import annotations
+
+import torch
+
+from nestling.draft.model import DraftConfig, Eagle3Draft, KVCache
+from nestling.draft.vocab import build_vocab, count_tokens, draft_ids_to_target, target_to_draft_index
+
+
+def _cfg(**kw) -> DraftConfig:
+    base = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                vocab_size=100, draft_vocab_size=20, aux_layer_ids=[1, 2, 3], num_target_layers=5)
+    return DraftConfig(**{**base, **kw})
+
+
+def test_export_names_and_shapes():
+    m = Eagle3Draft(_cfg())
+    sd = m.export_state_dict()
+    assert sd["fc.weight"].shape == (64, 192)
+    assert sd["midlayer.self_attn.q_proj.weight"].shape == (64, 128)  # 2H input
+    assert sd["midlayer.self_attn.k_proj.weight"].shape == (32, 128)
+    assert sd["lm_head.weight"].shape == (20, 64)
+    assert sd["d2t"].dtype == torch.long and sd["t2d"].shape == (100,)
+    assert not any(k.startswith("embed_tokens") for k in sd)
+    assert not m.embed_tokens.weight.requires_grad
+
+
+def test_step_with_cache_equals_full_causal_pass():
+    torch.manual_seed(0)
+    m = Eagle3Draft(_cfg()).eval()
+    ids = torch.randint(0, 100, (1, 6))
+    hid = torch.randn(1, 6, 64)
+    pos = torch.arange(6)[None]
+    full = m.step(ids, hid, pos, KVCache())
+    cache = KVCache()
+    first = m.step(ids[:, :4], hid[:, :4], pos[:, :4], cache)
+    rest = [m.step(ids[:, t:t + 1], hid[:, t:t + 1], pos[:, t:t + 1], cache) for t in (4, 5)]
+    torch.testing.assert_close(torch.cat([first, *rest], 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_vocab_topn_and_offsets():
+    counts = count_tokens([torch.tensor([5, 5, 5, 3, 3, 9, 9, 1, 7])], 12)  # 1 and 7 tie below 9
+    d2t, t2d = build_vocab(counts, 3)
+    assert draft_ids_to_target(d2t).tolist() == [3, 5, 9]
+    assert t2d.nonzero().flatten().tolist() == [3, 5, 9]
+    assert target_to_draft_index(t2d)[[3, 5, 9, 1]].tolist() == [0, 1, 2, -1]
