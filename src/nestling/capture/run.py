@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from nestling.capture.backend import make_backend
-from nestling.capture.settings import CaptureSettings, parse_size
+from nestling.capture.settings import CaptureSettings, parse_size, resolve
 from nestling.capture.store import (ShardPlan, ShardWriter, batches, bytes_per_token, plan_shards, shard_key,
                                     shard_name, write_index)
 from nestling.config import to_dict
@@ -79,7 +79,7 @@ def _free_bytes(path: Path) -> int:
 
 def capture(data_dir: str | Path, target: str | Path, out: str | Path, settings: CaptureSettings | None = None) -> dict:
     """Capture every split of `data_dir` into `out`; returns the manifest. Resumes an interrupted run."""
-    settings = settings or CaptureSettings()
+    settings = resolve(settings or CaptureSettings())
     data_dir, out = Path(data_dir), Path(out)
     target_dir = resolve_target(target)
     config = load_config(target_dir)
