@@ -20,7 +20,7 @@ STAGE_CLIS = [
     "nestling.train.cli",
     "nestling.export.cli",
     "nestling.evaluate.cli",
-    "nestling.regenerate_cli",
+    "nestling.regenerate.cli",
     "nestling.pipeline_cli",
 ]
 
