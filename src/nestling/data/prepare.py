@@ -178,8 +178,6 @@ def prepare_data(inputs: list[str | Path] | str | Path, target: str | Path, out:
         log(f"[data] {out} holds a result for other inputs or settings; redoing it.")
     elif out.exists() and any(out.glob("*.parquet")):
         log(f"[data] {out} holds an incomplete result (no {MANIFEST}); redoing it.")
-    out.mkdir(parents=True, exist_ok=True)
-    _clear(out)
 
     t0 = time.monotonic()
     records: list[tuple[str, RawRecord]] = []
@@ -193,6 +191,8 @@ def prepare_data(inputs: list[str | Path] | str | Path, target: str | Path, out:
         records += [(f"{name}:{r.index}", r) for r in recs]
     log(f"[data] read {len(records)} records from {len(inputs)} file(s) in {time.monotonic() - t0:.1f}s; "
         f"loss mask by {fmt.mask_method}")
+    out.mkdir(parents=True, exist_ok=True)  # only once every input has been read
+    _clear(out)
 
     workers = settings.workers or os.cpu_count() or 1
     workers = max(1, min(workers, (len(records) + CHUNK - 1) // CHUNK))
