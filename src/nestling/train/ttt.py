@@ -1,0 +1,148 @@
+"""Training-time test (TTT): all K draft steps for every anchor of a packed batch at once.
+
+What the engine does at anchor t (vLLM `llm_base_proposer.py`): the first draft pass over the
+verified prefix feeds, at index i <= t, the token i+1 (input ids rotated left by one) with
+fc(aux_i) at rotary position i; each further step j feeds the chain's next token, the draft's
+own pre-norm h from step j-1, at position t+j, attending to the step-0 keys 0..t plus the chain's
+own keys. Batched, that is K passes over the whole row where step j's query at index t may see
+
+    step-0 keys at indices i <= t of the same sample        (causal, packed samples isolated)
+    step-m keys (1 <= m <= j) at index t only                (the chain's diagonal)
+
+`reference_logits` drafts the same thing anchor by anchor with `Eagle3Draft.step` and a KVCache;
+the tests hold the two equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nestling.draft.model import Eagle3Draft, KVCache
+
+
+@dataclass
+class PackedBatch:
+    """Samples concatenated along a row; `doc` tells them apart (padding is its own doc)."""
+
+    input_ids: torch.Tensor  # [B, L] long
+    loss_mask: torch.Tensor  # [B, L] bool (False on padding)
+    doc: torch.Tensor  # [B, L] long, sample number within the row
+    pos: torch.Tensor  # [B, L] long, position within the sample
+    aux: torch.Tensor  # [B, L, n_aux*H]
+    final: torch.Tensor | None = None  # [B, L, H] post-norm target state (teacher input)
+    num_tokens: int = 0  # real (unpadded) tokens
+
+    def to(self, device, dtype=None) -> "PackedBatch":
+        f = (lambda t: None if t is None else t.to(device, dtype=dtype if t.is_floating_point() else None,
+                                                   non_blocking=True))
+        return PackedBatch(self.input_ids.to(device), self.loss_mask.to(device), self.doc.to(device),
+                           self.pos.to(device), f(self.aux), f(self.final), self.num_tokens)
+
+
+def shift_in_doc(x: torch.Tensor, doc: torch.Tensor, s: int, fill: int = 0) -> torch.Tensor:
+    """x[t+s] where index t+s lies in the same sample as t, else `fill` ([B, L] tensors)."""
+    B, L = x.shape
+    out = torch.full_like(x, fill)
+    if s < L:
+        same = doc[:, s:] == doc[:, : L - s]
+        out[:, : L - s] = torch.where(same, x[:, s:], torch.full_like(x[:, s:], fill))
+    return out
+
+
+# ---- attention over [step-0 keys | chain keys] ------------------------------------------------------
+
+def ttt_mask(doc: torch.Tensor, j: int) -> torch.Tensor:
+    """Boolean mask [B, 1, L, (j+1)L] for step j (True = may attend)."""
+    B, L = doc.shape
+    idx = torch.arange(L, device=doc.device)
+    causal = (idx[None, :, None] >= idx[None, None, :]) & (doc[:, :, None] == doc[:, None, :])
+    eye = torch.eye(L, dtype=torch.bool, device=doc.device).expand(B, L, L)
+    return torch.cat([causal] + [eye] * j, dim=-1)[:, None]
+
+
+_compiled_flex = None
+
+
+def _flex_attention():
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention, dynamic=False) if torch.cuda.is_available() else flex_attention
+    return _compiled_flex
+
+
+def flex_block_mask(doc: torch.Tensor, j: int):
+    """The same mask as `ttt_mask` as a flex-attention block mask (skips fully masked blocks)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, L = doc.shape
+
+    def mask_mod(b, h, q, kv):
+        step, i = kv // L, kv % L
+        return ((step == 0) & (i <= q) & (doc[b, i] == doc[b, q])) | ((step > 0) & (i == q))
+
+    return create_block_mask(mask_mod, B, None, L, (j + 1) * L, device=doc.device)
+
+
+def attention_backend(requested: str, device: torch.device) -> str:
+    """'flex' on CUDA when available, else the explicit-mask path ('mask')."""
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        try:
+            import torch.nn.attention.flex_attention  # noqa: F401
+
+            return "flex"
+        except ImportError:
+            pass
+    return "mask"
+
+
+def ttt_hidden(model: Eagle3Draft, batch: PackedBatch, steps: int, backend: str = "mask") -> list[torch.Tensor]:
+    """Pre-norm h [B, L, H] of every TTT step j = 0..steps-1 (the draft's chain, batched)."""
+    hidden = model.fc(batch.aux)
+    ks: list[torch.Tensor] = []
+    vs: list[torch.Tensor] = []
+    out = []
+    for j in range(steps):
+        ids = shift_in_doc(batch.input_ids, batch.doc, 1 + j)  # token t+1+j feeds anchor t at step j
+        q, k, v = model.qkv(ids, hidden, batch.pos + j)
+        ks.append(k)
+        vs.append(v)
+        k_all, v_all = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+        if backend == "flex":
+            o = _flex_attention()(q, k_all, v_all, block_mask=flex_block_mask(batch.doc, j),
+                                  enable_gqa=k_all.shape[1] != q.shape[1])
+            B, _, L, _ = o.shape
+            attn = o.transpose(1, 2).reshape(B, L, -1)
+        else:
+            attn = model.attend(q, k_all, v_all, ttt_mask(batch.doc, j))
+        hidden = model.finish(attn, hidden)
+        out.append(hidden)
+    return out
+
+
+# ---- the step-by-step reference (the engine's way) --------------------------------------------------
+
+@torch.no_grad()
+def reference_logits(model: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, steps: int) -> torch.Tensor:
+    """Draft chains anchor by anchor for ONE sample ([T] ids, [T, n_aux*H] aux).
+
+    Returns [T, steps, draft_vocab] logits; NaN where the chain's input token lies past the sample.
+    """
+    T = input_ids.shape[0]
+    out = torch.full((T, steps, model.config.draft_vocab_size), float("nan"))
+    for t in range(T - 1):  # anchor t needs token t+1
+        cache = KVCache()
+        g = model.fc(aux[None, : t + 1])
+        h = model.step(input_ids[None, 1 : t + 2], g, torch.arange(t + 1)[None], cache)[:, -1:]
+        out[t, 0] = model.logits(h)[0, 0].float()
+        for j in range(1, steps):
+            if t + 1 + j > T - 1:
+                break
+            h = model.step(input_ids[None, t + 1 + j : t + 2 + j], h, torch.tensor([[t + j]]), cache)
+            out[t, j] = model.logits(h)[0, 0].float()
+    return out
