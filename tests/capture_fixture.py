@@ -1,0 +1,84 @@
+"""Build capture folders in the documented format (docs/formats.md) by running a tiny target.
+
+The trainer's tests must not depend on the capture stage's code, only on its on-disk format, so
+this writes exactly what the format says: safetensors shards, index.json, manifest.json.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny shapes on a shared 2-core machine: one thread is ~40x faster than two contended ones."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_samples(n: int, seed: int, min_len: int = 8, max_len: int = 40, n_tokens: int = 120):
+    """Token sequences drawn from a small set of ids (so a small draft vocabulary covers them)."""
+    g = torch.Generator().manual_seed(seed)
+    ids_pool = torch.randperm(49152, generator=torch.Generator().manual_seed(1234))[:n_tokens] + 0
+    out = []
+    for i in range(n):
+        T = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        ids = ids_pool[torch.randint(0, n_tokens, (T,), generator=g)]
+        mask = torch.zeros(T, dtype=torch.bool)
+        start = int(torch.randint(1, max(2, T // 2), (1,), generator=g))
+        mask[start:] = True
+        out.append((f"s{seed}-{i}", ids, mask))
+    return out
+
+
+def make_capture(out: Path, target: Path, layer_ids=(1, 3, 5, 6), n_train: int = 12, n_heldout: int = 4,
+                 seed: int = 0, shard_samples: int = 5, dtype: torch.dtype = torch.float32,
+                 target_fingerprint: str | None = None) -> Path:
+    from safetensors.torch import save_file
+
+    from nestling.manifest import write_manifest
+    from nestling.target.load import load_config, load_model
+    from nestling.target.load import target_fingerprint as fingerprint
+
+    out = Path(out)
+    model = load_model(target, dtype="float32")
+    cfg = load_config(target)
+    layer_ids = list(layer_ids)
+    splits = {}
+    for split, n, s in (("train", n_train, seed), ("heldout", n_heldout, seed + 1000)):
+        sdir = out / split
+        sdir.mkdir(parents=True, exist_ok=True)
+        samples = make_samples(n, s)
+        index = []
+        for shard_i, start in enumerate(range(0, max(n, 1), shard_samples)):
+            chunk = samples[start : start + shard_samples]
+            if not chunk:
+                break
+            ids_l, mask_l, hid_l = [], [], []
+            offset = 0
+            for sid, ids, mask in chunk:
+                with torch.no_grad():
+                    hs = model(ids[None], output_hidden_states=True).hidden_states
+                hid_l.append(torch.stack([hs[i][0] for i in layer_ids], dim=1).to(dtype))
+                ids_l.append(ids.to(torch.int32))
+                mask_l.append(mask.to(torch.uint8))
+                index.append({"sample_id": sid, "shard": f"shard-{shard_i:05d}.safetensors",
+                              "offset": offset, "length": len(ids)})
+                offset += len(ids)
+            save_file({"input_ids": torch.cat(ids_l), "loss_mask": torch.cat(mask_l), "hidden": torch.cat(hid_l)},
+                      str(sdir / f"shard-{shard_i:05d}.safetensors"),
+                      metadata={"layer_ids": ",".join(map(str, layer_ids)), "dtype": str(dtype).split(".")[-1]})
+        (sdir / "index.json").write_text(json.dumps(index))
+        splits[split] = {"samples": n, "tokens": sum(len(x[1]) for x in samples),
+                         "supervised_tokens": int(sum(int(x[2].sum()) for x in samples))}
+    write_manifest(out, "capture", {}, {"target": target_fingerprint or fingerprint(target), "tokenizer": "", "data": ""},
+                   layer_ids=layer_ids, aux_layer_ids=layer_ids[:-1], final_state="post_norm",
+                   dtype=str(dtype).split(".")[-1], hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
+                   vocab_size=cfg.vocab_size, target=str(target), splits=splits)
+    return out
