@@ -6,6 +6,7 @@ this writes exactly what the format says: safetensors shards, index.json, manife
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -13,27 +14,44 @@ import pytest
 import torch
 
 
+@contextlib.contextmanager
+def threads(n: int = 1):
+    """Tiny shapes on a shared 2-core machine: one thread is ~10-40x faster than two contended ones."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
-    """Tiny shapes on a shared 2-core machine: one thread is ~40x faster than two contended ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with threads(1):
+        yield
 
 
-def make_samples(n: int, seed: int, min_len: int = 8, max_len: int = 40, n_tokens: int = 120):
-    """Token sequences drawn from a small set of ids (so a small draft vocabulary covers them)."""
-    g = torch.Generator().manual_seed(seed)
-    ids_pool = torch.randperm(49152, generator=torch.Generator().manual_seed(1234))[:n_tokens] + 0
+def make_samples(n: int, seed: int, model=None, min_len: int = 8, max_len: int = 32, n_tokens: int = 120,
+                 prompt_len: int = 4):
+    """Random prompts from a small set of ids, continued greedily by the target (the supervised part),
+    like regenerated data: the target's argmax at supervised positions is the next data token.
+    The prompts depend only on the sample number, so held-out samples continue training prompts."""
+    g = torch.Generator().manual_seed(7)
+    ids_pool = torch.randperm(49152, generator=torch.Generator().manual_seed(1234))[:n_tokens]
+    prompts = ids_pool[torch.randint(0, n_tokens, (n, prompt_len), generator=g)]
+    if model is not None and n:
+        with torch.no_grad():
+            seqs = model.generate(prompts, max_new_tokens=max_len - prompt_len, min_new_tokens=max_len - prompt_len,
+                                  do_sample=False, pad_token_id=0)
+    else:
+        seqs = ids_pool[torch.randint(0, n_tokens, (n, max_len), generator=g)]
+    lens = torch.randint(min_len, max_len + 1, (n,), generator=torch.Generator().manual_seed(seed))
     out = []
     for i in range(n):
-        T = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
-        ids = ids_pool[torch.randint(0, n_tokens, (T,), generator=g)]
+        T = int(lens[i])
         mask = torch.zeros(T, dtype=torch.bool)
-        start = int(torch.randint(1, max(2, T // 2), (1,), generator=g))
-        mask[start:] = True
-        out.append((f"s{seed}-{i}", ids, mask))
+        mask[prompt_len:] = True
+        out.append((f"s{seed}-{i}", seqs[i, :T].clone(), mask))
     return out
 
 
@@ -54,7 +72,7 @@ def make_capture(out: Path, target: Path, layer_ids=(1, 3, 5, 6), n_train: int =
     for split, n, s in (("train", n_train, seed), ("heldout", n_heldout, seed + 1000)):
         sdir = out / split
         sdir.mkdir(parents=True, exist_ok=True)
-        samples = make_samples(n, s)
+        samples = make_samples(n, s, model)
         index = []
         for shard_i, start in enumerate(range(0, max(n, 1), shard_samples)):
             chunk = samples[start : start + shard_samples]

@@ -155,6 +155,19 @@ def make_vocab(inp: Inputs, s: TrainSettings, out: Path, vocab_size: int) -> tup
     return d2t, t2d
 
 
+def build_draft(cfg: DraftConfig, head, d2t: torch.Tensor, t2d: torch.Tensor, lm_head_init: str) -> Eagle3Draft:
+    """A fresh draft: the target's (frozen) embedding, the vocabulary, and the lm_head either from
+    the target's rows of the draft vocabulary or left at its random init."""
+    draft = Eagle3Draft(cfg)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(head.embed.float())
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+        if lm_head_init == "target":
+            draft.lm_head.weight.copy_(head.lm_head[draft_ids_to_target(d2t)].float())
+    return draft
+
+
 # ---- schedule ----------------------------------------------------------------------------------------
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
@@ -237,14 +250,8 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
     # ---- build (same seed on every rank: identical initial weights) ----
     torch.manual_seed(s.seed)
     head = read_head(inp.target, V, H)
-    draft = Eagle3Draft(cfg)
+    draft = build_draft(cfg, head, d2t, t2d, s.lm_head_init)
     amp = _amp(device, s)
-    with torch.no_grad():
-        draft.embed_tokens.weight.copy_(head.embed.float())
-        draft.d2t.copy_(d2t)
-        draft.t2d.copy_(t2d)
-        if s.lm_head_init == "target":
-            draft.lm_head.weight.copy_(head.lm_head[draft_ids_to_target(d2t)].float())
     draft.to(device)
     if amp != torch.float32:
         draft.embed_tokens.to(amp)  # frozen: no fp32 master copy needed
