@@ -100,3 +100,42 @@ def make_capture(out: Path, target: Path, layer_ids=(1, 3, 5, 6), n_train: int =
                    dtype=str(dtype).split(".")[-1], hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
                    vocab_size=cfg.vocab_size, target=str(target), splits=splits)
     return out
+
+
+def cached_capture(target: Path) -> Path:
+    """The standard test capture of `target`, built once into the nestling cache (shared by test files
+    and by the subprocesses they start)."""
+    import os
+    import shutil
+
+    from nestling.assets import cache_dir
+    from nestling.manifest import hash_files
+
+    key = hash_files(sorted(Path(target).glob("*.safetensors")) + [Path(__file__)])
+    final = cache_dir() / "tiny" / f"train-capture-{Path(target).name}-{key}"
+    if not (final / "manifest.json").exists():
+        tmp = final.with_name(final.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        with threads(1):
+            make_capture(tmp, target)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    return final
+
+
+def run_cli(args: list[str], env_extra: dict | None = None, torchrun: int = 0, popen: bool = False):
+    """`python -m nestling ARGS` (or under torchrun) with this worktree's code, one thread per process."""
+    import os
+    import subprocess
+    import sys
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env_extra or {})}
+    if torchrun:
+        torchrun_bin = str(Path(sys.executable).with_name("torchrun"))
+        cmd = [torchrun_bin, "--standalone", f"--nproc-per-node={torchrun}", "-m", "nestling", *args]
+    else:
+        cmd = [sys.executable, "-m", "nestling", *args]
+    if popen:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

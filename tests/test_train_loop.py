@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from capture_fixture import make_capture, one_thread, threads  # noqa: F401 (autouse fixture)
+from capture_fixture import cached_capture, make_capture, one_thread, threads  # noqa: F401 (autouse fixture)
 from safetensors.torch import load_file, save_file
 
 from nestling.errors import NestlingError
@@ -19,8 +19,7 @@ TINY = dict(batch_tokens=64, draft_vocab_size=100, ttt_steps=3, lr=3e-3, progres
 
 @pytest.fixture(scope="session")
 def capture(tiny_target, tmp_path_factory) -> Path:
-    with threads(1):
-        return make_capture(tmp_path_factory.mktemp("cap") / "capture", tiny_target("llama"))
+    return cached_capture(tiny_target("llama"))
 
 
 @pytest.fixture(scope="session")
