@@ -16,13 +16,21 @@ def capture(tiny_target):
     return cached_capture(tiny_target("llama"))
 
 
-def test_two_processes_equal_one_with_accumulation(capture, tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
+@pytest.fixture(scope="module")
+def one_process(capture, tmp_path_factory):
     from nestling.cli import main
 
+    one = tmp_path_factory.mktemp("one") / "train"
     assert main(["train", str(capture), "--out", str(one), *ARGS, "grad_accum=2"]) == 0
-    r = run_cli(["train", str(capture), "--out", str(two), *ARGS, "grad_accum=1"], torchrun=2)
+    return one
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_equal_one_with_accumulation(capture, one_process, tmp_path, parallel):
+    one, two = one_process, tmp_path / "two"
+    r = run_cli(["train", str(capture), "--out", str(two), *ARGS, "grad_accum=1", f"parallel={parallel}"], torchrun=2)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("trained 4 steps") == 1  # rank 0 speaks for the job
     a, b = load_file(str(one / "model.safetensors")), load_file(str(two / "model.safetensors"))
     start = load_file(str(one / "checkpoints" / "step-00000004" / "model.safetensors"))
     assert a.keys() == b.keys() == start.keys()

@@ -38,7 +38,9 @@ def run(args: argparse.Namespace) -> int:
                       ttt_steps=args.ttt_steps)
     resume = False if args.resume is None else (True if args.resume == "latest" else args.resume)
     m = train(args.capture_dir, args.out, s, resume=resume)
-    if m:
+    import os
+
+    if m and os.environ.get("RANK", "0") == "0":
         ev = m.get("final_eval") or {}
         print(f"trained {m['steps']} steps into {args.out}"
               + (f"; held-out simulated acceptance length {ev['sim_accept_len']:.3f}" if ev else ""))

@@ -382,7 +382,7 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
             interval.zero_()
             interval_tokens, t_last = 0, now
             if prog:
-                prog.update(0, step=step, loss=rec["loss"], acc_0=acc_j[0])
+                prog.extra.update(step=step, loss=rec["loss"], acc_0=acc_j[0])
         if prog:
             prog.update(1, tokens=int(tokens.item()) * d.world)
         if (s.eval_every > 0 and step % s.eval_every == 0) or step == total:
