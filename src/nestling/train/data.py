@@ -8,6 +8,9 @@ continue exactly where it stopped, on any number of ranks.
 from __future__ import annotations
 
 import json
+import queue
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,3 +146,39 @@ class Stream:
             if k < self._starts[e] + len(p):
                 return p[k - self._starts[e]]
             e += 1
+
+
+class Prefetcher:
+    """Loads the microbatches of the next steps in a background thread (reading shards and packing
+    overlap the GPU's work); items come out in step order, errors re-raise in the caller."""
+
+    def __init__(self, load_step: Callable[[int], object], start: int, stop: int, depth: int = 2):
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, args=(load_step, start, stop), daemon=True)
+        self._t.start()
+
+    def _run(self, load_step, start: int, stop: int) -> None:
+        for step in range(start, stop):
+            try:
+                item = load_step(step)
+            except BaseException as e:  # handed to the consumer
+                item = e
+            while not self._stop.is_set():
+                try:
+                    self._q.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if self._stop.is_set() or isinstance(item, BaseException):
+                return
+
+    def get(self):
+        item = self._q.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join(timeout=5)

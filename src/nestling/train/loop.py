@@ -26,7 +26,7 @@ from nestling.progress import Progress, log
 from nestling.target.load import load_config, resolve_target, target_fingerprint
 from nestling.train import checkpoint as ckpt
 from nestling.train import dist
-from nestling.train.data import Stream, capture_dataset, collate, read_index
+from nestling.train.data import Prefetcher, Stream, capture_dataset, collate, read_index
 from nestling.train.head import read_head, teacher_rows
 from nestling.train.loss import simulated_acceptance_length, supervised_counts, teacher, ttt_loss
 from nestling.train.metrics import MetricsLog, plot
@@ -344,11 +344,16 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
     interval = torch.zeros(3, K, dtype=torch.float64, device=device)
     interval_tokens, t_last = 0, time.monotonic()
     model.train()
+    def load_step(at: int) -> list[PackedBatch]:
+        mbs = [train_stream[at * G + a * d.world + d.rank] for a in range(s.grad_accum)]
+        bs = [load(mb, train_ds) for mb in mbs]
+        return [b.pin() for b in bs] if device.type == "cuda" else bs
+
+    prefetch = Prefetcher(load_step, step, total)
     while step < total:
-        mbs = [train_stream[step * G + a * d.world + d.rank] for a in range(s.grad_accum)]
-        batches = [load(mb, train_ds) for mb in mbs]
+        batches = prefetch.get()
         denom = dist.all_sum(sum(supervised_counts(b, K) for b in batches), d)
-        tokens = torch.tensor([float(sum(b.num_tokens for b in batches))])
+        tokens = int(dist.all_sum(torch.tensor([float(sum(b.num_tokens for b in batches))]), d))
         for a, cpu_batch in enumerate(batches):
             b, t = prepare(cpu_batch)
             last = a == s.grad_accum - 1
@@ -367,7 +372,7 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        interval_tokens += int(dist.all_sum(tokens, d))
+        interval_tokens += tokens
         if step % s.log_every == 0 or step == total:
             tot = dist.all_sum(interval, d).cpu()
             cnt = tot[2].clamp(min=1)
@@ -384,7 +389,7 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
             if prog:
                 prog.extra.update(step=step, loss=rec["loss"], acc_0=acc_j[0])
         if prog:
-            prog.update(1, tokens=int(tokens.item()) * d.world)
+            prog.update(1, tokens=tokens)
         if (s.eval_every > 0 and step % s.eval_every == 0) or step == total:
             ev = evaluate()
             if ev is not None:
@@ -394,6 +399,7 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
                         f"simulated acceptance length {ev['sim_accept_len']:.3f}")
         if step % s.checkpoint_every == 0 or step == total:
             save_checkpoint(step)
+    prefetch.close()
     if prog:
         prog.close()
 

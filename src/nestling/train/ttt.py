@@ -34,6 +34,11 @@ class PackedBatch:
     final: torch.Tensor | None = None  # [B, L, H] post-norm target state (teacher input)
     num_tokens: int = 0  # real (unpadded) tokens
 
+    def pin(self) -> "PackedBatch":
+        f = lambda t: None if t is None else t.pin_memory()  # noqa: E731
+        return PackedBatch(f(self.input_ids), f(self.loss_mask), f(self.doc), f(self.pos), f(self.aux),
+                           f(self.final), self.num_tokens)
+
     def to(self, device, dtype=None) -> "PackedBatch":
         f = (lambda t: None if t is None else t.to(device, dtype=dtype if t.is_floating_point() else None,
                                                    non_blocking=True))
@@ -113,7 +118,8 @@ def ttt_hidden(model: Eagle3Draft, batch: PackedBatch, steps: int, backend: str 
         ks.append(k)
         vs.append(v)
         k_all, v_all = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
-        if backend == "flex":
+        if backend == "flex":  # flex is outside autocast: rotary may have left q/k in fp32
+            q, k_all = q.to(v_all.dtype), k_all.to(v_all.dtype)
             o = _flex_attention()(q, k_all, v_all, block_mask=flex_block_mask(batch.doc, j),
                                   enable_gqa=k_all.shape[1] != q.shape[1])
             B, _, L, _ = o.shape
