@@ -173,8 +173,26 @@ def test_resume_from_checkpoint_of_another_configuration(capture, trained, tmp_p
            ttt_steps=2)
 
 
+def test_flex_on_cpu_is_refused(capture, tmp_path):
+    _fails(capture, tmp_path / "o", "CUDA only", attention="flex")
+
+
 def test_existing_checkpoints_need_resume(capture, trained, tmp_path):
     out = tmp_path / "o"
     shutil.copytree(trained / "checkpoints", out / "checkpoints")
     with pytest.raises(NestlingError, match="--resume"):
         train(capture, out, TrainSettings(**{**TINY, "steps": 24}))
+
+
+def test_gpu_code_path_on_cpu_bf16_flex_padded(capture, tmp_path):
+    """The CUDA defaults (bf16 autocast, fixed-size padded rows), run on the CPU (flex attention has no
+    CPU backward; its forward is held equal to the mask path in test_train_ttt)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = train(capture, tmp_path / "o", TrainSettings(**{**TINY, "steps": 3, "eval_batches": 2}, dtype="bfloat16",
+                                                        attention="mask", pad_to_budget=True))
+    assert m["final_eval"]["tokens"] > 0 and m["final_train"]["loss"] > 0
+    w = load_file(str(tmp_path / "o" / "model.safetensors"))
+    assert w["fc.weight"].dtype == torch.float32  # fp32 master weights

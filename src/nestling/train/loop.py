@@ -259,6 +259,9 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
     norm_w = head.norm.to(device, torch.float32) if inp.final_state == "pre_norm" else None
     del head
     backend = attention_backend(s.attention, device)
+    if backend == "flex" and device.type != "cuda":
+        raise NestlingError("attention=flex trains on CUDA only (PyTorch has no flex-attention backward on CPU); "
+                            "use attention=auto or attention=mask")
     objective = TTTObjective(draft, s.ttt_steps, s.ttt_decay, backend)
     model = dist.wrap(objective, d, s.parallel, device)
     params = [p for p in model.parameters() if p.requires_grad]

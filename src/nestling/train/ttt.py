@@ -75,7 +75,16 @@ def _flex_attention():
     if _compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _compiled_flex = torch.compile(flex_attention, dynamic=False) if torch.cuda.is_available() else flex_attention
+        if torch.cuda.is_available():
+            import torch._dynamo.config as dc
+
+            # one graph per TTT step (the KV length grows with j), with and without grad: K=7 needs 14
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(dc, name):
+                    setattr(dc, name, max(getattr(dc, name), 64))
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        else:
+            _compiled_flex = flex_attention
     return _compiled_flex
 
 
