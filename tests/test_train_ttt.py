@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from capture_fixture import one_thread  # noqa: F401 (autouse)
 
 from nestling.draft.model import DraftConfig, Eagle3Draft
 from nestling.train.loss import Teacher, supervised, ttt_loss
@@ -54,14 +55,14 @@ def _assert_matches_reference(m, samples, got):
         start += len(ids)
 
 
-@pytest.mark.parametrize("backend", ["mask", "flex"])
+@pytest.mark.parametrize("backend", ["mask", "flex", "concat"])
 def test_batched_ttt_equals_stepwise_reference_single_sample(backend):
     m = _model()
     samples = _samples([13])
     _assert_matches_reference(m, samples, _batched_logits(m, _pack(samples), backend))
 
 
-@pytest.mark.parametrize("backend", ["mask", "flex"])
+@pytest.mark.parametrize("backend", ["mask", "flex", "concat"])
 def test_batched_ttt_equals_reference_in_packed_batch(backend):
     m = _model()
     samples = _samples([7, 11, 3, 9])
@@ -127,3 +128,19 @@ def test_loss_counts_only_supervised_in_sample_positions():
     torch.testing.assert_close(stats.loss_sum[0].float(), (ce * sup0).sum().double().float())
     loss.backward()
     assert m.fc.weight.grad is not None and m.fc.weight.grad.abs().sum() > 0
+
+
+def test_mask_path_gradients_equal_concatenated_attention():
+    """The log-sum-exp merged attention trains exactly what one softmax over all keys does."""
+    samples = _samples([7, 10])
+    batch = _pack(samples, pad=2)
+    grads = []
+    for backend in ("mask", "concat"):
+        m = _model()
+        m.zero_grad()
+        hs = ttt_hidden(m, batch, STEPS, backend)
+        sum((m.logits(h) ** 2).mean() * (j + 1) for j, h in enumerate(hs)).backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 5
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-4, rtol=1e-4, msg=n)

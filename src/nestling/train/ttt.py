@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nestling.draft.model import Eagle3Draft, KVCache
+from nestling.draft.model import Eagle3Draft, KVCache, repeat_kv
 
 
 @dataclass
@@ -59,12 +59,18 @@ def shift_in_doc(x: torch.Tensor, doc: torch.Tensor, s: int, fill: int = 0) -> t
 # ---- attention over [step-0 keys | chain keys] ------------------------------------------------------
 
 def ttt_mask(doc: torch.Tensor, j: int) -> torch.Tensor:
-    """Boolean mask [B, 1, L, (j+1)L] for step j (True = may attend)."""
+    """Boolean mask [B, 1, L, (j+1)L] over [step-0 keys | chain keys 1..j] (True = may attend).
+    Used by the 'concat' backend, the plainest statement of the TTT mask."""
+    causal = doc_causal_mask(doc)
     B, L = doc.shape
-    idx = torch.arange(L, device=doc.device)
-    causal = (idx[None, :, None] >= idx[None, None, :]) & (doc[:, :, None] == doc[:, None, :])
     eye = torch.eye(L, dtype=torch.bool, device=doc.device).expand(B, L, L)
     return torch.cat([causal] + [eye] * j, dim=-1)[:, None]
+
+
+def doc_causal_mask(doc: torch.Tensor) -> torch.Tensor:
+    """[B, L, L]: key i <= query t and of the same sample."""
+    idx = torch.arange(doc.shape[1], device=doc.device)
+    return (idx[None, :, None] >= idx[None, None, :]) & (doc[:, :, None] == doc[:, None, :])
 
 
 _compiled_flex = None
@@ -78,27 +84,26 @@ def _flex_attention():
         if torch.cuda.is_available():
             import torch._dynamo.config as dc
 
-            # one graph per TTT step (the KV length grows with j), with and without grad: K=7 needs 14
-            for name in ("recompile_limit", "cache_size_limit"):
+            for name in ("recompile_limit", "cache_size_limit"):  # train, eval and row shapes
                 if hasattr(dc, name):
-                    setattr(dc, name, max(getattr(dc, name), 64))
+                    setattr(dc, name, max(getattr(dc, name), 32))
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         else:
             _compiled_flex = flex_attention
     return _compiled_flex
 
 
-def flex_block_mask(doc: torch.Tensor, j: int):
-    """The same mask as `ttt_mask` as a flex-attention block mask (skips fully masked blocks)."""
+def flex_block_mask(doc: torch.Tensor):
+    """The step-0 part of the mask (causal within a sample) as a flex block mask; fully masked blocks
+    are skipped, so packed rows cost less than a dense causal pass."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, L = doc.shape
 
     def mask_mod(b, h, q, kv):
-        step, i = kv // L, kv % L
-        return ((step == 0) & (i <= q) & (doc[b, i] == doc[b, q])) | ((step > 0) & (i == q))
+        return (kv <= q) & (doc[b, kv] == doc[b, q])
 
-    return create_block_mask(mask_mod, B, None, L, (j + 1) * L, device=doc.device)
+    return create_block_mask(mask_mod, B, None, L, L, device=doc.device)
 
 
 def attention_backend(requested: str, device: torch.device) -> str:
@@ -115,26 +120,68 @@ def attention_backend(requested: str, device: torch.device) -> str:
     return "mask"
 
 
+def _prefix_attention(q, k0, v0, doc, backend: str, block_mask=None):
+    """Attention of q over the step-0 keys with its log-sum-exp: (out [B,h,L,D], lse [B,h,L] fp32)."""
+    rep = q.shape[1] // k0.shape[1]
+    if backend == "flex":
+        q, k0 = q.to(v0.dtype), k0.to(v0.dtype)  # flex is outside autocast: rotary may have left fp32
+        try:
+            from torch.nn.attention.flex_attention import AuxRequest
+        except ImportError:  # torch < 2.9
+            out, lse = _flex_attention()(q, k0, v0, block_mask=block_mask, enable_gqa=rep != 1, return_lse=True)
+            return out, lse.float()
+        out, aux = _flex_attention()(q, k0, v0, block_mask=block_mask, enable_gqa=rep != 1,
+                                     return_aux=AuxRequest(lse=True))
+        return out, aux.lse.float()
+    scale = q.shape[-1] ** -0.5
+    k0, v0 = repeat_kv(k0, rep), repeat_kv(v0, rep)
+    scores = (q.float() @ k0.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~doc_causal_mask(doc)[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.softmax(scores, dim=-1) @ v0.float()
+    return out.to(v0.dtype), lse
+
+
+def chain_attention(q, ks: list[torch.Tensor], vs: list[torch.Tensor], doc, backend: str, block_mask=None):
+    """Step j's attention = softmax over [step-0 keys (causal) | chain keys 1..j at the same index],
+    computed as the prefix attention plus j diagonal terms merged through their log-sum-exp, so a
+    step costs one causal pass plus O(j L) and memory stays linear in K (no concatenated KV)."""
+    out0, lse0 = _prefix_attention(q, ks[0], vs[0], doc, backend, block_mask)
+    B, h, L, D = q.shape
+    if len(ks) == 1:
+        return out0.transpose(1, 2).reshape(B, L, -1)
+    kv = ks[0].shape[1]
+    qg = q.float().view(B, kv, h // kv, L, D)
+    scale = D ** -0.5
+    diag = torch.stack([(qg * k.float().unsqueeze(2)).sum(-1).view(B, h, L) * scale for k in ks[1:]])  # [j,B,h,L]
+    lse = torch.logsumexp(torch.cat([lse0[None], diag]), dim=0)
+    out = torch.exp(lse0 - lse)[..., None] * out0.float()
+    for m, v in enumerate(vs[1:]):
+        w = torch.exp(diag[m] - lse).view(B, kv, h // kv, L, 1)
+        out = out + (w * v.float().unsqueeze(2)).view(B, h, L, D)
+    return out.to(vs[0].dtype).transpose(1, 2).reshape(B, L, -1)
+
+
 def ttt_hidden(model: Eagle3Draft, batch: PackedBatch, steps: int, backend: str = "mask") -> list[torch.Tensor]:
-    """Pre-norm h [B, L, H] of every TTT step j = 0..steps-1 (the draft's chain, batched)."""
+    """Pre-norm h [B, L, H] of every TTT step j = 0..steps-1 (the draft's chain, batched).
+
+    backend: 'mask' (explicit boolean mask), 'flex' (flex attention; CUDA for training) or
+    'concat' (one SDPA over the concatenated keys with the full TTT mask; a plain cross-check).
+    """
     hidden = model.fc(batch.aux)
     ks: list[torch.Tensor] = []
     vs: list[torch.Tensor] = []
     out = []
+    block_mask = flex_block_mask(batch.doc) if backend == "flex" else None
     for j in range(steps):
         ids = shift_in_doc(batch.input_ids, batch.doc, 1 + j)  # token t+1+j feeds anchor t at step j
         q, k, v = model.qkv(ids, hidden, batch.pos + j)
         ks.append(k)
         vs.append(v)
-        k_all, v_all = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
-        if backend == "flex":  # flex is outside autocast: rotary may have left q/k in fp32
-            q, k_all = q.to(v_all.dtype), k_all.to(v_all.dtype)
-            o = _flex_attention()(q, k_all, v_all, block_mask=flex_block_mask(batch.doc, j),
-                                  enable_gqa=k_all.shape[1] != q.shape[1])
-            B, _, L, _ = o.shape
-            attn = o.transpose(1, 2).reshape(B, L, -1)
+        if backend == "concat":
+            attn = model.attend(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), ttt_mask(batch.doc, j))
         else:
-            attn = model.attend(q, k_all, v_all, ttt_mask(batch.doc, j))
+            attn = chain_attention(q, ks, vs, batch.doc, backend, block_mask)
         hidden = model.finish(attn, hidden)
         out.append(hidden)
     return out
