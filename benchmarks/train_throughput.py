@@ -208,7 +208,7 @@ def main() -> None:
         args.json.write_text(json.dumps(result, indent=2))
     print()
     print(f"train throughput: {args.shape} on {device_name}, {args.rows}x{args.seq} tokens/step, {args.dtype}, "
-          f"peak {peak:.1f} TFLOP/s")
+          f"peak {peak:.3g} TFLOP/s")
     print(f"{'K':>3} {'tok/s':>10} {'TFLOP/s':>9} {'MFU':>6} {'peak GiB':>9}")
     for r in rows:
         print(f"{r['K']:>3} {r['tokens_per_s']:>10,.0f} {r['tflops']:>9.2f} {100 * r['mfu']:>5.1f}% {r['peak_mem_gib']:>9.2f}")

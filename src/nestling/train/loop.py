@@ -42,7 +42,14 @@ class TTTObjective(nn.Module):
         self.draft, self.steps, self.decay, self.backend = draft, steps, decay, backend
 
     def forward(self, batch: PackedBatch, t, denom: torch.Tensor):
-        hiddens = ttt_hidden(self.draft, batch, self.steps, self.backend)
+        try:
+            hiddens = ttt_hidden(self.draft, batch, self.steps, self.backend)
+        except Exception as e:  # flex needs a working compiler toolchain; the mask path always works
+            if self.backend != "flex":
+                raise
+            log(f"[train] flex attention failed ({type(e).__name__}: {str(e)[:200]}); falling back to attention=mask")
+            self.backend = "mask"
+            hiddens = ttt_hidden(self.draft, batch, self.steps, self.backend)
         loss, st = ttt_loss(self.draft, hiddens, t, batch, denom, self.decay)
         return loss, st.loss_sum, st.correct, st.count
 
