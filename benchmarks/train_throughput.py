@@ -110,7 +110,25 @@ def run_one(args, K: int) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    def saved_activation_bytes(b: PackedBatch) -> int:
+        """Bytes autograd keeps for the backward of one microbatch (distinct storages): the exact
+        quantity that must grow linearly in K, free of allocator noise."""
+        seen: dict[int, int] = {}
+
+        def pack(x):
+            st = x.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+            return x
+
+        denom = supervised_counts(b, K)
+        t = teacher(b.final, w_draft, w_rest, args.teacher_chunk)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
+                objective(b, t, denom)[0]
+        return sum(seen.values())
+
     b = batch()
+    saved = saved_activation_bytes(b)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # CPU: weights + data, before any step
     for _ in range(args.warmup):
         step(b)
@@ -129,7 +147,7 @@ def run_one(args, K: int) -> dict:
     peak_mem = (torch.cuda.max_memory_allocated() if device.type == "cuda"
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0)
     return {"K": K, "tokens_per_s": N / dt, "step_s": dt, "tflops": fl / dt / 1e12, "flops_per_step": fl,
-            "peak_mem_gib": peak_mem / 2**30, "trainable_params": trainable, "tokens_per_step": N}
+            "peak_mem_gib": peak_mem / 2**30, "saved_activations_gib": saved / 2**30, "trainable_params": trainable, "tokens_per_step": N}
 
 
 def cpu_peak_tflops() -> float:
@@ -195,11 +213,14 @@ def main() -> None:
     for r in rows:
         r["mfu"] = r["tflops"] / peak
     mem = {r["K"]: r["peak_mem_gib"] for r in rows}
+    act = {r["K"]: r["saved_activations_gib"] for r in rows}
     linear = None
     if {1, 3, 7} <= set(mem):
         d13, d37 = mem[3] - mem[1], mem[7] - mem[3]
+        a13, a37 = act[3] - act[1], act[7] - act[3]
         linear = {"per_step_gib_1_to_3": d13 / 2, "per_step_gib_3_to_7": d37 / 4,
-                  "ratio": (d37 / 4) / (d13 / 2) if d13 > 0 else None}
+                  "ratio": (d37 / 4) / (d13 / 2) if d13 > 0 else None,
+                  "saved_per_step_gib_1_to_3": a13 / 2, "saved_per_step_gib_3_to_7": a37 / 4}
     device_name = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
     result = {"device": device_name, "shape": args.shape, "seq": args.seq, "rows": args.rows, "docs": args.docs,
               "dtype": args.dtype, "compile": args.compile, "attention": args.attention, "peak_tflops": peak,
@@ -209,12 +230,14 @@ def main() -> None:
     print()
     print(f"train throughput: {args.shape} on {device_name}, {args.rows}x{args.seq} tokens/step, {args.dtype}, "
           f"peak {peak:.3g} TFLOP/s")
-    print(f"{'K':>3} {'tok/s':>10} {'TFLOP/s':>9} {'MFU':>6} {'peak GiB':>9}")
+    print(f"{'K':>3} {'tok/s':>10} {'TFLOP/s':>9} {'MFU':>6} {'peak GiB':>9} {'saved GiB':>10}")
     for r in rows:
-        print(f"{r['K']:>3} {r['tokens_per_s']:>10,.0f} {r['tflops']:>9.2f} {100 * r['mfu']:>5.1f}% {r['peak_mem_gib']:>9.2f}")
+        print(f"{r['K']:>3} {r['tokens_per_s']:>10,.0f} {r['tflops']:>9.2f} {100 * r['mfu']:>5.1f}% "
+              f"{r['peak_mem_gib']:>9.2f} {r['saved_activations_gib']:>10.3f}")
     if linear:
-        print(f"memory per TTT step: {linear['per_step_gib_1_to_3']:.3f} GiB (K 1->3), "
-              f"{linear['per_step_gib_3_to_7']:.3f} GiB (K 3->7)")
+        print(f"memory per TTT step: peak {linear['per_step_gib_1_to_3']:.3f} GiB (K 1->3), "
+              f"{linear['per_step_gib_3_to_7']:.3f} GiB (K 3->7); saved activations "
+              f"{linear['saved_per_step_gib_1_to_3']:.3f} / {linear['saved_per_step_gib_3_to_7']:.3f} GiB")
 
 
 if __name__ == "__main__":
