@@ -55,14 +55,14 @@ def main(argv: list[str] | None = None) -> int:
         except AttributeError:
             pass
     parser = build_parser()
-    # argparse cannot match trailing `key=value` positionals after options that follow another
-    # positional (INPUT --out DIR k=v); collect them here for subcommands that take overrides.
+    # `key=value` overrides may follow options (`nestling train CAP --out DIR lr=3e-4`), which plain
+    # parse_args rejects once an option has ended the positionals: hand the leftovers to the stage.
     args, extra = parser.parse_known_args(argv)
+    target = next((n for n in ("overrides", "extra") if isinstance(getattr(args, n, None), list)), None)
     if extra:
-        if isinstance(getattr(args, "overrides", None), list) and all("=" in e and not e.startswith("-") for e in extra):
-            args.overrides += extra
-        else:
+        if target is None or not all("=" in e and not e.startswith("-") for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        getattr(args, target).extend(extra)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -1,1 +1,6 @@
-"""nestling train stage."""
+"""nestling train stage: `nestling.train.train(capture_dir, out, settings)` (see loop.py)."""
+
+from nestling.train.loop import train
+from nestling.train.settings import TrainSettings
+
+__all__ = ["train", "TrainSettings"]

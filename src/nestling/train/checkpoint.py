@@ -1,0 +1,108 @@
+"""Checkpoints that resume exactly: weights, optimizer, scheduler, RNG and data position.
+
+`checkpoints/step-XXXXXXXX/` is written under a temporary name and renamed when complete, so a
+kill at any moment leaves either the previous checkpoints or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+from nestling.errors import NestlingError
+
+PREFIX = "step-"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"{PREFIX}{step:08d}"
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    root = Path(root)
+    if not root.exists():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
+                  and (p / "state.json").exists())
+
+
+def _rng_state() -> dict:
+    enc = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
+    state = {"torch": enc(torch.get_rng_state()), "python": repr(random.getstate())}
+    if torch.cuda.is_available():
+        state["cuda"] = [enc(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    dec = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)  # noqa: E731
+    torch.set_rng_state(dec(state["torch"]))
+    import ast
+
+    random.setstate(ast.literal_eval(state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([dec(s) for s in state["cuda"]])
+
+
+def save(root: Path, step: int, weights: dict[str, torch.Tensor], optimizer_state: dict, scheduler_state: dict,
+         config_key: str, extra: dict, keep: int) -> Path:
+    """Write checkpoint `step` atomically and keep only the newest `keep`."""
+    from safetensors.torch import save_file
+
+    root = Path(root)
+    final = step_dir(root, step)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+    torch.save(optimizer_state, tmp / "optimizer.pt")
+    state = {"step": step, "scheduler": scheduler_state, "rng": _rng_state(), "config_key": config_key,
+             "data_position": {"microbatches_done": extra.get("microbatches_done")}, **extra}
+    (tmp / "state.json").write_text(json.dumps(state, indent=1, default=str))
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def clean_partial(root: Path) -> None:
+    """Remove checkpoints that a killed run left half-written."""
+    root = Path(root)
+    if root.exists():
+        for p in root.glob(".tmp-*"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def load(path: Path, config_key: str) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """(weights, optimizer state, state.json) of a checkpoint made with the same configuration."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    state_file = path / "state.json"
+    if not state_file.exists():
+        raise NestlingError(f"{path} is not a nestling checkpoint (state.json is missing)")
+    state = json.loads(state_file.read_text())
+    if state.get("config_key") != config_key:
+        raise NestlingError(
+            f"checkpoint {path} was made with another configuration (draft shape, vocabulary, target, data or "
+            f"batch settings differ: {state.get('config_key')} != {config_key}); resume with the settings it was "
+            f"made with, or start a new --out folder without --resume")
+    weights = load_file(str(path / "model.safetensors"))
+    optim = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
+    return weights, optim, state
+
+
+def restore_rng(state: dict) -> None:
+    _set_rng_state(state["rng"])

@@ -1,0 +1,47 @@
+"""`nestling train CAPTURE_DIR --out DIR [--epochs E | --steps N] [--ttt-steps 7]`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from nestling.config import load_settings
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train", help="train an EAGLE-3 draft on captured hidden states",
+        description=(
+            "Train an EAGLE-3 draft with training-time test (TTT) on a capture folder.\n"
+            "Writes draft_config.json, vocab.safetensors, checkpoints/, model.safetensors, metrics.jsonl,\n"
+            "plot.png and manifest.json (last) to --out. Scale out with torchrun --nproc-per-node N -m nestling train ...\n"
+            "Any setting of TrainSettings can be given as key=value (e.g. lr=3e-4 batch_tokens=8192)."),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("capture_dir", type=Path, help="output folder of `nestling capture`")
+    p.add_argument("--out", type=Path, required=True, help="training folder to write")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--epochs", type=float, help="passes over the training split (default 1)")
+    g.add_argument("--steps", type=int, help="optimizer steps (overrides epochs)")
+    p.add_argument("--ttt-steps", type=int, help="draft steps trained per position, K (default 7)")
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+                   help="continue from the latest checkpoint in --out (or the given checkpoint folder)")
+    p.add_argument("--config", type=Path, help="YAML file of train settings")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="setting overrides, e.g. lr=3e-4")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from nestling.train.loop import train
+    from nestling.train.settings import TrainSettings
+
+    s = load_settings(TrainSettings, args.config, args.overrides, epochs=args.epochs, steps=args.steps,
+                      ttt_steps=args.ttt_steps)
+    resume = False if args.resume is None else (True if args.resume == "latest" else args.resume)
+    m = train(args.capture_dir, args.out, s, resume=resume)
+    import os
+
+    if m and os.environ.get("RANK", "0") == "0":
+        ev = m.get("final_eval") or {}
+        print(f"trained {m['steps']} steps into {args.out}"
+              + (f"; held-out simulated acceptance length {ev['sim_accept_len']:.3f}" if ev else ""))
+    return 0
