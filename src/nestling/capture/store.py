@@ -142,8 +142,9 @@ class ShardWriter:
     def begin(self, path: Path, plan: ShardPlan, n_ids: int, hidden_size: int, dtype: torch.dtype, meta: dict) -> None:
         self._put(("begin", Path(path), plan, _header(plan, n_ids, hidden_size, dtype, {**meta, "plan": plan.key})))
 
-    def write(self, hidden: torch.Tensor, event=None) -> None:
-        self._put(("hidden", hidden, event))
+    def write(self, hidden: torch.Tensor, event=None, release=None) -> None:
+        """Queue one batch; `release` (if given) is called once its bytes are written."""
+        self._put(("hidden", hidden, event, release))
 
     def end(self) -> None:
         self._put(("end",))
@@ -193,11 +194,13 @@ class ShardWriter:
                     f.write(header)
                     self.bytes_written += len(header)
                 elif item[0] == "hidden":
-                    _, hidden, event = item
+                    _, hidden, event, release = item
                     if event is not None:
                         event.synchronize()
                     f.write(_raw(hidden))
                     self.bytes_written += hidden.numel() * hidden.element_size()
+                    if release is not None:
+                        release()
                 else:
                     ids = torch.tensor([t for s in plan.samples for t in s.input_ids], dtype=torch.int32)
                     mask = torch.tensor([t for s in plan.samples for t in s.loss_mask], dtype=torch.uint8)
