@@ -1,0 +1,135 @@
+"""The stage table: what `nestling run` chains, in order, and how each stage is called.
+
+A stage is a name, a settings dataclass, and a function of a `StageContext`. The pipeline knows
+nothing else about it, so tests pass their own small tables and the real stages stay independent.
+Settings classes are named as "module:Class" and imported only when used (no torch at `--help`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from nestling.errors import NestlingError
+
+
+@dataclass
+class StageContext:
+    """What a stage function gets: its settings, its output folder, and the run around it."""
+
+    name: str
+    settings: Any
+    out: Path
+    run_dir: Path
+    target: str  # resolved local folder
+    inputs: list[str]  # the run's input files (resolved)
+    prompts: str | None
+    enabled: tuple[str, ...]  # the stages this run chains
+    dry_run: bool = False
+
+    def dir(self, stage: str) -> Path:
+        return self.run_dir / stage
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    settings: str | type  # "module:Class", or the class itself
+    run: Callable[[StageContext], Any]
+    uses: tuple[str, ...] = ()  # run-level inputs in this stage's key: "target", "inputs", "prompts"
+    optional: bool = False  # disabled unless the config has a section for it
+    dry: Callable[[Any], Any] | None = None  # settings -> the settings of the dry run (two samples)
+
+    def settings_cls(self) -> type:
+        if isinstance(self.settings, type):
+            return self.settings
+        module, attr = self.settings.split(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ModuleNotFoundError, AttributeError) as e:
+            raise NestlingError(f"stage '{self.name}' is not available in this nestling build ({e})") from None
+
+
+def _call(spec: str, *args: Any) -> Any:
+    module, attr = spec.split(":")
+    return getattr(importlib.import_module(module), attr)(*args)
+
+
+def replace(settings: Any, **changes: Any) -> Any:
+    """dataclasses.replace with only the fields the settings class has (stages evolve independently)."""
+    names = {f.name for f in dataclasses.fields(settings)}
+    return dataclasses.replace(settings, **{k: v for k, v in changes.items() if k in names})
+
+
+# ---- the real stages --------------------------------------------------------------------------
+
+def _regenerate(ctx: StageContext) -> Any:
+    return _call("nestling.regenerate:regenerate", ctx.inputs, ctx.target, ctx.out, ctx.settings)
+
+
+def data_inputs(ctx: StageContext) -> list[str]:
+    """The data stage reads the regenerated conversations when regenerate runs, else the inputs."""
+    if "regenerate" not in ctx.enabled:
+        return list(ctx.inputs)
+    out = ctx.dir("regenerate")
+    files = sorted(p for p in out.glob("*.jsonl")) or sorted(out.glob("*.json"))
+    files = [p for p in files if p.name != "manifest.json"]
+    if not files:
+        raise NestlingError(f"{out} holds no regenerated conversations (*.jsonl)")
+    return [str(p) for p in files]
+
+
+def _data(ctx: StageContext) -> Any:
+    return _call("nestling.data.prepare:prepare_data", data_inputs(ctx), ctx.target, ctx.out, ctx.settings)
+
+
+def _capture(ctx: StageContext) -> Any:
+    return _call("nestling.capture.run:capture", ctx.dir("data"), ctx.target, ctx.out, ctx.settings)
+
+
+def _train(ctx: StageContext) -> Any:
+    return _call("nestling.train.loop:train", ctx.dir("capture"), ctx.out, ctx.settings)
+
+
+def _export(ctx: StageContext) -> Any:
+    return _call("nestling.export.eagle3:export", ctx.dir("train"), ctx.out, ctx.settings)
+
+
+def _eval(ctx: StageContext) -> Any:
+    prompts = ctx.prompts or str(ctx.dir("data"))
+    return _call("nestling.evaluate.run:evaluate", ctx.dir("export"), ctx.target, prompts, ctx.out, ctx.settings)
+
+
+def _vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+# Dry-run settings: two samples, one batch, one step, a couple of short generations.
+def _dry_data(s: Any) -> Any:
+    return replace(s, max_samples=2, limit=2, held_out=0.5, heldout=0.5, held_out_samples=1)
+
+
+def _dry_capture(s: Any) -> Any:
+    return replace(s, ignore_disk_check=True)
+
+
+def _dry_train(s: Any) -> Any:
+    return replace(s, steps=1, epochs=None, warmup_steps=0, checkpoint_every=1, eval_every=0)
+
+
+def _dry_eval(s: Any) -> Any:
+    engines = ["reference", "vllm"] if _vllm_installed() else ["reference"]
+    return replace(s, max_prompts=1, num_prompts=1, max_new_tokens=8, engines=engines)
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("regenerate", "nestling.regenerate:RegenerateSettings", _regenerate, uses=("target", "inputs"), optional=True),
+    Stage("data", "nestling.data.settings:DataSettings", _data, uses=("target", "inputs"), dry=_dry_data),
+    Stage("capture", "nestling.capture.settings:CaptureSettings", _capture, uses=("target",), dry=_dry_capture),
+    Stage("train", "nestling.train.settings:TrainSettings", _train, uses=("target",), dry=_dry_train),
+    Stage("export", "nestling.export.settings:ExportSettings", _export, uses=("target",)),
+    Stage("eval", "nestling.evaluate.settings:EvalSettings", _eval, uses=("target", "prompts"), dry=_dry_eval),
+)
