@@ -97,13 +97,13 @@ def _get(obj: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
-def count_records(inputs: list[str]) -> int | None:
-    """Conversations in the inputs, counted with the data stage's own readers (no tokenizing)."""
+def count_records(inputs: list[str], limit: int | None) -> int | None:
+    """Conversations the full data stage will read, counted with its own readers (no tokenizing)."""
     try:
-        from nestling.data.readers import count_records as count  # type: ignore
+        from nestling.data.readers import read_input
     except ImportError:
         return None
-    return int(count([Path(p) for p in inputs]))
+    return sum(len(read_input(Path(p), limit)[0]) for p in inputs)
 
 
 def full_data_tokens(config: RunConfig, dry: dict[str, Measured], real_run_dir: Path) -> tuple[dict, str]:
@@ -118,24 +118,19 @@ def full_data_tokens(config: RunConfig, dry: dict[str, Measured], real_run_dir: 
     samples = sum(int(v.get("samples", 0)) for v in splits.values()) or 1
     tok = sum(int(v.get("tokens", 0)) for v in splits.values())
     sup = sum(int(v.get("supervised_tokens", 0)) for v in splits.values())
-    n = count_records(config.inputs) if config.inputs else None
-    counts = dm.get("counts") or {}
-    if n is None:
-        n = int(counts.get("read") or samples)
     ds = config.settings.get("data")
-    cap = _get(ds, "max_samples", "limit")
-    if cap:
-        n = min(n, int(cap))
-    held = float(_get(ds, "held_out", "heldout", default=0.0) or 0.0)
-    if held >= 1:
-        n_held = int(held)
-    else:
-        n_held = int(round(n * held))
+    counts = dm.get("counts") or {}
+    read = int(counts.get("read") or samples)
+    n_read = count_records(config.inputs, _get(ds, "limit")) if config.inputs else None
+    # conversations kept per conversation read, as in the sample (drops: empty, too long, malformed)
+    n = int(round((n_read if n_read is not None else read) * samples / max(read, 1)))
+    held = float(_get(ds, "held_out", default=0.0) or 0.0)
+    n_held = int(round(n * held))
     per, per_sup = tok / samples, sup / samples
     out = {"train": {"samples": n - n_held, "tokens": int((n - n_held) * per), "supervised_tokens": int((n - n_held) * per_sup)}}
     if n_held:
         out["heldout"] = {"samples": n_held, "tokens": int(n_held * per), "supervised_tokens": int(n_held * per_sup)}
-    return out, f"estimated from {samples} sampled conversations x {n:,} conversations"
+    return out, f"estimated: {n:,} conversations x the {samples} sampled"
 
 
 def estimate(config: RunConfig, stages: Sequence[Stage], dry: dict[str, Measured], real_run_dir: Path) -> list[Estimate]:

@@ -30,7 +30,7 @@ from nestling.progress import PROGRESS_ENV, format_duration, log
 
 # Settings that change how fast or how loudly a stage runs, never what it produces.
 NOT_IN_KEY = frozenset({"progress_interval", "ignore_disk_check", "queue_size", "log_interval", "log_every",
-                        "num_workers"})
+                        "num_workers", "workers"})
 RUN_FILE = "run.json"
 
 

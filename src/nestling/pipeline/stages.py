@@ -46,11 +46,14 @@ class Stage:
     def settings_cls(self) -> type:
         if isinstance(self.settings, type):
             return self.settings
-        module, attr = self.settings.split(":")
-        try:
-            return getattr(importlib.import_module(module), attr)
-        except (ModuleNotFoundError, AttributeError) as e:
-            raise NestlingError(f"stage '{self.name}' is not available in this nestling build ({e})") from None
+        errors = []
+        for spec in self.settings.split("|"):  # alternatives: where the stage keeps its settings
+            module, attr = spec.split(":")
+            try:
+                return getattr(importlib.import_module(module), attr)
+            except (ModuleNotFoundError, AttributeError) as e:
+                errors.append(str(e))
+        raise NestlingError(f"stage '{self.name}' is not available in this nestling build ({'; '.join(errors)})")
 
 
 def _call(spec: str, *args: Any) -> Any:
@@ -109,7 +112,7 @@ def _vllm_installed() -> bool:
 
 # Dry-run settings: two samples, one batch, one step, a couple of short generations.
 def _dry_data(s: Any) -> Any:
-    return replace(s, max_samples=2, limit=2, held_out=0.5, heldout=0.5, held_out_samples=1)
+    return replace(s, limit=2, held_out=0.5)
 
 
 def _dry_capture(s: Any) -> Any:
@@ -126,10 +129,10 @@ def _dry_eval(s: Any) -> Any:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("regenerate", "nestling.regenerate:RegenerateSettings", _regenerate, uses=("target", "inputs"), optional=True),
+    Stage("regenerate", "nestling.regenerate:RegenerateSettings|nestling.regenerate.settings:RegenerateSettings", _regenerate, uses=("target", "inputs"), optional=True),
     Stage("data", "nestling.data.settings:DataSettings", _data, uses=("target", "inputs"), dry=_dry_data),
     Stage("capture", "nestling.capture.settings:CaptureSettings", _capture, uses=("target",), dry=_dry_capture),
-    Stage("train", "nestling.train.settings:TrainSettings", _train, uses=("target",), dry=_dry_train),
-    Stage("export", "nestling.export.settings:ExportSettings", _export, uses=("target",)),
-    Stage("eval", "nestling.evaluate.settings:EvalSettings", _eval, uses=("target", "prompts"), dry=_dry_eval),
+    Stage("train", "nestling.train.settings:TrainSettings|nestling.train.loop:TrainSettings", _train, uses=("target",), dry=_dry_train),
+    Stage("export", "nestling.export.settings:ExportSettings|nestling.export.eagle3:ExportSettings", _export, uses=("target",)),
+    Stage("eval", "nestling.evaluate.settings:EvalSettings|nestling.evaluate.run:EvalSettings", _eval, uses=("target", "prompts"), dry=_dry_eval),
 )
