@@ -204,3 +204,27 @@ def test_config_paths_are_relative_to_the_file(setup, monkeypatch):
     config = load_run_config(cfg, STAGES)
     assert Path(config.target) == tmp / "target" and Path(config.run_dir) == tmp / "runs/r1"
     assert config.settings["repeat"].n == 2 and config.settings["scale"].scale == 2
+
+
+def _dry_scale(s: ScaleSettings) -> ScaleSettings:
+    return ScaleSettings(scale=s.scale, parts=1)
+
+
+DRY_STAGES = (STAGES[0], Stage("scale", ScaleSettings, scale_stage, dry=_dry_scale))
+
+
+def test_dry_run_runs_every_stage_in_scratch_and_checks_disk(setup, monkeypatch):
+    from nestling.pipeline import dryrun
+
+    tmp, cfg = setup
+    report = run(cfg, stages=DRY_STAGES, dry_run=True)
+    scratch = tmp / "runs/r1/dry-run"
+    assert report["scratch"] == str(scratch)
+    assert (scratch / "scale/parts/0.txt").exists() and not (scratch / "scale/parts/1.txt").exists()
+    assert not (tmp / "runs/r1/scale").exists()  # the real run folder is untouched
+    assert [s["stage"] for s in report["stages"]] == ["repeat", "scale"]
+    assert report["need_bytes"] == sum(s["disk_bytes"] for s in report["stages"]) > 0
+    assert json.loads((scratch / "estimate.json").read_text())["need_bytes"] == report["need_bytes"]
+    monkeypatch.setattr(dryrun, "free_bytes", lambda path: 10)
+    with pytest.raises(NestlingError, match=r"not enough disk for the full run: it needs about .* only 10 B is free"):
+        run(cfg, stages=DRY_STAGES, dry_run=True)

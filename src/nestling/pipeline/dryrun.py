@@ -213,25 +213,36 @@ def dry_run(config: RunConfig, *, stages: Sequence[Stage] = STAGES, scratch: Pat
                 for s in stages}
     dry_config = dataclasses.replace(config, run_dir=scratch, settings=settings)
     log(f"[dry-run] running {' -> '.join(s.name for s in active)} on two samples in {scratch}")
-    run(dry_config, stages=stages, dry_run=True, header="nestling run --dry-run")
+    free = free_bytes(real_run_dir)
+    done = {s.name for s in active if (read_state(real_run_dir, s.name) or {}).get("status") == "complete"}
+
+    def check_disk(ests: list[Estimate]) -> int:
+        # What complete stages of the real run already hold is on disk: only the rest needs free space.
+        need = sum(e.disk_bytes for e in ests if e.stage not in done)
+        if need > free:
+            table = format_estimates(ests, free, real_run_dir)
+            raise NestlingError(
+                f"not enough disk for the full run: it needs about {format_bytes(need)} in {real_run_dir} but only "
+                f"{format_bytes(free)} is free (capture alone: "
+                f"{format_bytes(next((e.disk_bytes for e in ests if e.stage == 'capture'), 0))}). Free space, set "
+                f"run_dir to a larger disk, or capture fewer conversations (data.limit) or layers.\n{table}")
+        return need
+
+    def after(outcome) -> None:
+        if outcome.name == "capture":  # the big one: fail before training and evaluation run
+            ran = [s for s in active if s.name in ("data", "capture")]
+            check_disk(estimate(config, ran, {s.name: _measure(scratch, s.name) for s in ran}, real_run_dir))
+
+    run(dry_config, stages=stages, dry_run=True, header="nestling run --dry-run", after_stage=after)
     measured = {s.name: _measure(scratch, s.name) for s in active}
     ests = estimate(config, stages, measured, real_run_dir)
-    free = free_bytes(real_run_dir)
-    # What complete stages of the real run already hold is on disk: only the rest needs free space.
-    done = {s.name for s in active if (read_state(real_run_dir, s.name) or {}).get("status") == "complete"}
-    need = sum(e.disk_bytes for e in ests if e.stage not in done)
     table = format_estimates(ests, free, real_run_dir)
-    report = {"dry_run_s": time.monotonic() - t0, "scratch": str(scratch), "free_bytes": free, "need_bytes": need,
+    report = {"dry_run_s": time.monotonic() - t0, "scratch": str(scratch), "free_bytes": free, "need_bytes": 0,
               "stages": [dataclasses.asdict(e) for e in ests],
               "measured": {k: {f: v for f, v in dataclasses.asdict(m).items() if f != "manifest"} for k, m in measured.items()}}
-    atomic_write_json(scratch / "estimate.json", report)
     log(f"[dry-run] every stage ran on two samples in {format_duration(report['dry_run_s'])}. "
         f"The full run (rates just measured):\n{table}")
-    if need > free:
-        raise NestlingError(
-            f"not enough disk for the full run: it needs about {format_bytes(need)} in {real_run_dir} but only "
-            f"{format_bytes(free)} is free (capture alone: "
-            f"{format_bytes(next((e.disk_bytes for e in ests if e.stage == 'capture'), 0))}). Free space, set run_dir "
-            f"to a larger disk, or capture fewer conversations (data.max_samples) or layers.")
+    report["need_bytes"] = check_disk(ests)
+    atomic_write_json(scratch / "estimate.json", report)
     report["table"] = table
     return report

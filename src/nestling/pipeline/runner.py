@@ -17,7 +17,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from nestling.config import to_dict
 from nestling.errors import NestlingError
@@ -98,8 +98,11 @@ def _wipe(run_dir: Path, out: Path, stage: str) -> None:
 
 def run(config: RunConfig, *, stages: Sequence[Stage] = STAGES, from_stage: str | None = None,
         force: Sequence[str] = (), until: str | None = None, dry_run: bool = False,
-        header: str = "nestling run") -> list[StageOutcome]:
-    """Run (or continue) the pipeline of `config` in `config.run_dir`; returns what each stage did."""
+        header: str = "nestling run", after_stage: Callable[[StageOutcome], None] | None = None) -> list[StageOutcome]:
+    """Run (or continue) the pipeline of `config` in `config.run_dir`; returns what each stage did.
+
+    `after_stage` is called after each stage (the dry run checks the disk as soon as capture is measured).
+    """
     check_stage_names([from_stage] if from_stage else [], stages, "--from")
     check_stage_names(list(force), stages, "--force")
     check_stage_names([until] if until else [], stages, "--until")
@@ -140,6 +143,8 @@ def run(config: RunConfig, *, stages: Sequence[Stage] = STAGES, from_stage: str 
                     log(f"[run] {stage.name}: resuming the interrupted run in {out} (key {key})")
                 outcomes.append(_run_stage(stage, settings, key, action, run_dir, out, target, inputs, prompts,
                                            tuple(names), dry_run, state))
+            if after_stage is not None:
+                after_stage(outcomes[-1])
             if stage.name == until:
                 log(f"[run] stopping after {until} (--until)")
                 break
