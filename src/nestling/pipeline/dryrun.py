@@ -157,8 +157,8 @@ def estimate(config: RunConfig, stages: Sequence[Stage], dry: dict[str, Measured
             dry_steps = max(int(_get(m.manifest, "steps", "step", default=1) or 1), 1)
             if steps:
                 per_step = m.tokens / dry_steps if m.tokens else 0
-                batch = _get(s, "batch_tokens", "token_budget", "max_tokens_per_batch")
-                per_step = float(batch) if batch else per_step
+                batch = _get(s, "batch_tokens")
+                per_step = float(batch) * int(_get(s, "grad_accum", default=1)) if batch else per_step
                 work = int(steps * per_step) if per_step else 0
                 secs = (_scaled_time(m, work, m.tokens) if per_step else m.wall_s * steps / dry_steps)
                 note = f"{steps} steps"

@@ -24,7 +24,7 @@ from nestling.errors import NestlingError
 from nestling.manifest import FORMAT_VERSION, atomic_write_json, hash_bytes, hash_files, hash_json
 from nestling.pipeline.config import RunConfig, resolve_builtin
 from nestling.pipeline.stages import STAGES, Stage, StageContext
-from nestling.pipeline.state import (RUN_LOG, progress_path, read_state, state_path, tee_stderr,
+from nestling.pipeline.state import (RUN_LOG, progress_path, read_progress, read_state, state_path, tee_stderr,
                                      write_state)
 from nestling.progress import PROGRESS_ENV, format_duration, log
 
@@ -158,7 +158,12 @@ def _run_stage(stage: Stage, settings: Any, key: str, action: str, run_dir: Path
                old: dict | None) -> StageOutcome:
     started = time.time()
     # Wall time accumulates over resumed attempts so estimates and status see the whole cost.
-    spent = float(old.get("wall_s", 0.0)) if old and action == "resumed" else 0.0
+    spent = 0.0
+    if old and action == "resumed":
+        spent = float(old.get("wall_s", 0.0))
+        if old.get("status") == "running" and old.get("started"):  # killed: count up to its last sign of life
+            last = max(old.get("updated", 0.0), (read_progress(run_dir, stage.name) or {}).get("updated", 0.0))
+            spent += max(last - old["started"], 0.0)
     write_state(run_dir, stage.name, key=key, status="running", started=started, wall_s=spent)
     ctx = StageContext(stage.name, settings, out, run_dir, target, inputs, prompts, names, dry_run)
     previous_env = os.environ.get(PROGRESS_ENV)

@@ -120,7 +120,7 @@ def _dry_capture(s: Any) -> Any:
 
 
 def _dry_train(s: Any) -> Any:
-    return replace(s, steps=1, epochs=None, warmup_steps=0, checkpoint_every=1, eval_every=0)
+    return replace(s, steps=1, warmup_steps=0, checkpoint_every=1, eval_batches=1)
 
 
 def _dry_eval(s: Any) -> Any:

@@ -40,8 +40,9 @@ def stage_rows(run_dir: Path) -> list[dict]:
                        tokens_per_s=prog.get("tokens_per_s"), eta_s=prog.get("eta_s"),
                        elapsed_s=prog.get("elapsed_s"), updated=prog.get("updated"),
                        desc=prog.get("stage"))
-        if status == "running" and state.get("started"):
-            row["wall_s"] = float(state.get("wall_s") or 0.0) + now - state["started"]
+        if status in ("running", "interrupted", "stalled?") and state.get("started"):
+            end = now if status == "running" else max(state.get("updated", 0.0), prog.get("updated", 0.0))
+            row["wall_s"] = float(state.get("wall_s") or 0.0) + max(end - state["started"], 0.0)
         rows.append(row)
     return rows
 
