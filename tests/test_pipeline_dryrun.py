@@ -19,7 +19,7 @@ def write_config(tmp: Path, target: Path, inputs: Path, extra: str = "") -> Path
     cfg.write_text(
         f"target: {target}\ninputs: [{inputs}]\nrun_dir: {tmp / 'run'}\n"
         "data: {max_length: 256}\ncapture: {dtype: float32}\ntrain: {batch_tokens: 512}\n"
-        "eval: {engines: [reference]}\n" + extra)
+        "eval: {engine: reference}\n" + extra)
     return cfg
 
 

@@ -26,6 +26,7 @@ from nestling.pipeline.state import read_progress, read_state
 from nestling.progress import format_bytes, format_duration, log
 
 SCRATCH = "dry-run"
+DRY_PROMPTS = ["Explain in two sentences what a compiler does.", "Write a short poem about the sea."]
 
 
 @dataclass
@@ -178,6 +179,11 @@ def estimate(config: RunConfig, stages: Sequence[Stage], dry: dict[str, Measured
             ratio = (float(full_n) * float(full_new)) / max(float(dry_n) * float(dry_new), 1.0)
             work = int(m.tokens * ratio) if m.tokens else int(full_n * full_new)
             secs = _scaled_time(m, work, work / ratio) if m.tokens else m.wall_s * max(ratio, 1.0)
+            if _get(s, "baseline") and not _get(dry_s, "baseline"):
+                secs *= 2  # the full eval also runs the target alone
+            engine = _get(s, "engine", default="")
+            if engine == "reference" and _get(dry_s, "engine") == "both":
+                secs /= 2  # the dry run also loaded vLLM
             out.append(Estimate("eval", work, m.disk_bytes, secs, f"{full_n} prompts x {full_new} new tokens"))
         else:
             out.append(Estimate(stage.name, m.tokens, m.disk_bytes, m.wall_s, "as measured"))
@@ -211,7 +217,12 @@ def dry_run(config: RunConfig, *, stages: Sequence[Stage] = STAGES, scratch: Pat
     active = enabled_stages(config, stages)
     settings = {s.name: (None if config.settings.get(s.name) is None else dry_settings_of(s, config.settings[s.name]))
                 for s in stages}
-    dry_config = dataclasses.replace(config, run_dir=scratch, settings=settings)
+    prompts = config.prompts
+    if prompts is None and "eval" in settings:  # the dry data stage has no held-out split
+        scratch.mkdir(parents=True, exist_ok=True)
+        prompts = str(scratch / "prompts.jsonl")
+        Path(prompts).write_text("".join(json.dumps({"prompt": p}) + "\n" for p in DRY_PROMPTS))
+    dry_config = dataclasses.replace(config, run_dir=scratch, settings=settings, prompts=prompts)
     log(f"[dry-run] running {' -> '.join(s.name for s in active)} on two samples in {scratch}")
     free = free_bytes(real_run_dir)
     done = {s.name for s in active if (read_state(real_run_dir, s.name) or {}).get("status") == "complete"}

@@ -70,19 +70,24 @@ def replace(settings: Any, **changes: Any) -> Any:
 # ---- the real stages --------------------------------------------------------------------------
 
 def _regenerate(ctx: StageContext) -> Any:
-    return _call("nestling.regenerate:regenerate", ctx.inputs, ctx.target, ctx.out, ctx.settings)
+    if len(ctx.inputs) != 1:
+        raise NestlingError(f"regenerate reads one input file; the config lists {len(ctx.inputs)} "
+                            "(merge them into one JSONL, or drop the regenerate: section)")
+    return _call("nestling.regenerate:regenerate", ctx.inputs[0], ctx.target, ctx.out, ctx.settings)
 
 
 def data_inputs(ctx: StageContext) -> list[str]:
     """The data stage reads the regenerated conversations when regenerate runs, else the inputs."""
     if "regenerate" not in ctx.enabled:
         return list(ctx.inputs)
+    import json
+
     out = ctx.dir("regenerate")
-    files = sorted(p for p in out.glob("*.jsonl")) or sorted(out.glob("*.json"))
-    files = [p for p in files if p.name != "manifest.json"]
-    if not files:
-        raise NestlingError(f"{out} holds no regenerated conversations (*.jsonl)")
-    return [str(p) for p in files]
+    manifest = json.loads((out / "manifest.json").read_text())
+    messages = out / (manifest.get("files") or {}).get("messages", "messages.jsonl")
+    if not messages.exists():
+        raise NestlingError(f"{out} holds no regenerated conversations ({messages.name} is missing)")
+    return [str(messages)]
 
 
 def _data(ctx: StageContext) -> Any:
@@ -110,9 +115,14 @@ def _vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-# Dry-run settings: two samples, one batch, one step, a couple of short generations.
+# Dry-run settings: two samples, one batch, one step, one short generation per engine.
+def _dry_regenerate(s: Any) -> Any:
+    return replace(s, limit=2, max_new_tokens=16, max_turns=1)
+
+
 def _dry_data(s: Any) -> Any:
-    return replace(s, limit=2, held_out=0.5)
+    # Both samples train; the dry eval uses built-in prompts (or the config's), so no split can be empty.
+    return replace(s, limit=2, held_out=0.0)
 
 
 def _dry_capture(s: Any) -> Any:
@@ -124,15 +134,17 @@ def _dry_train(s: Any) -> Any:
 
 
 def _dry_eval(s: Any) -> Any:
-    engines = ["reference", "vllm"] if _vllm_installed() else ["reference"]
-    return replace(s, max_prompts=1, num_prompts=1, max_new_tokens=8, engines=engines)
+    # vLLM, when installed, must load the exported draft: that is the incompatibility users hit last.
+    return replace(s, max_prompts=1, max_new_tokens=8, engine="both" if _vllm_installed() else "reference",
+                   baseline=False)
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("regenerate", "nestling.regenerate:RegenerateSettings|nestling.regenerate.settings:RegenerateSettings", _regenerate, uses=("target", "inputs"), optional=True),
+    Stage("regenerate", "nestling.regenerate:RegenerateSettings|nestling.regenerate.settings:RegenerateSettings",
+          _regenerate, uses=("target", "inputs"), optional=True, dry=_dry_regenerate),
     Stage("data", "nestling.data.settings:DataSettings", _data, uses=("target", "inputs"), dry=_dry_data),
     Stage("capture", "nestling.capture.settings:CaptureSettings", _capture, uses=("target",), dry=_dry_capture),
-    Stage("train", "nestling.train.settings:TrainSettings|nestling.train.loop:TrainSettings", _train, uses=("target",), dry=_dry_train),
-    Stage("export", "nestling.export.settings:ExportSettings|nestling.export.eagle3:ExportSettings", _export, uses=("target",)),
-    Stage("eval", "nestling.evaluate.settings:EvalSettings|nestling.evaluate.run:EvalSettings", _eval, uses=("target", "prompts"), dry=_dry_eval),
+    Stage("train", "nestling.train.settings:TrainSettings", _train, uses=("target",), dry=_dry_train),
+    Stage("export", "nestling.export.eagle3:ExportSettings|nestling.export.settings:ExportSettings", _export, uses=("target",)),
+    Stage("eval", "nestling.evaluate.run:EvalSettings|nestling.evaluate.settings:EvalSettings", _eval, uses=("target", "prompts"), dry=_dry_eval),
 )
