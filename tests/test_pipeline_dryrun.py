@@ -76,8 +76,9 @@ def test_doctor_runs_every_stage_for_real(tmp_path, capsys):
     report = json.loads((tmp_path / "run" / "dry-run" / "estimate.json").read_text())
     assert [s["stage"] for s in report["stages"]] == ["data", "capture", "train", "export", "eval"]
     capture = next(s for s in report["stages"] if s["stage"] == "capture")
-    # tiny Llama: 4 captured ids x hidden 128 x 4 bytes (fp32) + ids + mask per token
-    assert capture["disk_bytes"] == capture["tokens"] * (4 * 128 * 4 + 5) > 0
+    manifest = json.loads((tmp_path / "run" / "dry-run" / "capture" / "manifest.json").read_text())
+    # tiny Llama: captured ids x hidden 128 x 4 bytes (fp32) + input id + mask, per token of the full run
+    assert capture["disk_bytes"] == capture["tokens"] * (len(manifest["layer_ids"]) * 128 * 4 + 5) > 0
     assert all(s["seconds"] > 0 for s in report["stages"])
     for stage in report["stages"]:
         state = json.loads((tmp_path / "run" / "dry-run" / "state" / f"{stage['stage']}.json").read_text())
