@@ -228,3 +228,20 @@ def test_dry_run_runs_every_stage_in_scratch_and_checks_disk(setup, monkeypatch)
     monkeypatch.setattr(dryrun, "free_bytes", lambda path: 10)
     with pytest.raises(NestlingError, match=r"not enough disk for the full run: it needs about .* only 10 B is free"):
         run(cfg, stages=DRY_STAGES, dry_run=True)
+
+
+def test_one_run_per_folder(setup):
+    tmp, cfg = setup
+    seen = []
+
+    def nested(ctx) -> None:
+        try:
+            run(cfg, stages=STAGES)
+        except NestlingError as e:
+            seen.append(str(e))
+        repeat_stage(ctx)
+
+    assert {o.name: o.action for o in run(cfg, stages=(Stage("repeat", RepeatSettings, nested), STAGES[1]))} == {
+        "repeat": "ran", "scale": "ran"}
+    assert len(seen) == 1 and "another nestling run is using" in seen[0] and f"pid {os.getpid()}" in seen[0]
+    assert go(cfg, from_stage="repeat") == {"repeat": "ran", "scale": "ran"}  # the lock is released

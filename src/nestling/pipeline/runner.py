@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from nestling.config import to_dict
 from nestling.errors import NestlingError
@@ -32,6 +34,7 @@ from nestling.progress import PROGRESS_ENV, format_duration, log
 NOT_IN_KEY = frozenset({"progress_interval", "ignore_disk_check", "queue_size", "log_interval", "log_every",
                         "num_workers", "workers"})
 RUN_FILE = "run.json"
+LOCK = ".lock"
 
 
 @dataclass
@@ -115,6 +118,36 @@ def run(config: RunConfig, *, stages: Sequence[Stage] = STAGES, from_stage: str 
     fingerprints = run_fingerprints(target, inputs, prompts)
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    with run_lock(run_dir):
+        return _run(config, active, names, stages, from_stage, force, until, dry_run, header, after_stage,
+                    target, inputs, prompts, fingerprints, run_dir)
+
+
+@contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """One `nestling run` per run folder: two would write the same stage folders. The OS drops the lock
+    when the process dies, so a killed run never leaves a stale lock."""
+    import fcntl
+
+    with open(run_dir / LOCK, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            raise NestlingError(f"another nestling run is using {run_dir} ({f.read().strip() or 'unknown process'}); "
+                                f"wait for it, or watch it with `nestling status {run_dir}`") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _run(config, active, names, stages, from_stage, force, until, dry_run, header, after_stage,
+         target, inputs, prompts, fingerprints, run_dir) -> list[StageOutcome]:
     atomic_write_json(run_dir / RUN_FILE, {"stages": names, "config": config.to_dict(), "target": target,
                                            "inputs": inputs, "fingerprints": fingerprints})
     redo_from = names.index(from_stage) if from_stage else len(names)
@@ -172,7 +205,8 @@ def _run_stage(stage: Stage, settings: Any, key: str, action: str, run_dir: Path
     try:
         result = stage.run(ctx)
     except BaseException as e:
-        write_state(run_dir, stage.name, key=key, status="failed", started=started,
+        status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+        write_state(run_dir, stage.name, key=key, status=status, started=started,
                     wall_s=spent + time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
         raise
     finally:
