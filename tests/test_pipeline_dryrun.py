@@ -18,7 +18,7 @@ def write_config(tmp: Path, target: Path, inputs: Path, extra: str = "") -> Path
     cfg = tmp / "run.yaml"
     cfg.write_text(
         f"target: {target}\ninputs: [{inputs}]\nrun_dir: {tmp / 'run'}\n"
-        "data: {max_length: 256}\ncapture: {dtype: float32}\ntrain: {batch_tokens: 512}\n"
+        "data: {max_length: 256, held_out: 0.1}\ncapture: {dtype: float32}\ntrain: {batch_tokens: 512}\n"
         "eval: {engine: reference}\n" + extra)
     return cfg
 
@@ -54,6 +54,11 @@ def test_impossible_layer_id_fails_before_any_stage(cfg, tmp_path, capsys):
     assert rc == 1
     assert "layer ids [99] do not fit this target: it has 6 decoder layers" in out
     assert not (tmp_path / "run" / "dry-run" / "data").exists()
+
+
+def test_eval_without_prompts_fails(cfg, tmp_path, capsys):
+    rc, out = nestling(capsys, "run", cfg, "--dry-run", "data.held_out=0")
+    assert rc == 1 and "eval has no prompts" in out and "data.held_out" in out
 
 
 def test_too_little_disk_fails_before_training(cfg, tmp_path, capsys, monkeypatch):

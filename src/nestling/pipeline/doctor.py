@@ -133,7 +133,7 @@ def doctor_dry_run(scratch: Path | None = None) -> dict:
     chat.write_text(json.dumps(CONVERSATIONS))
     config = load_run_config(None, STAGES, base_data={
         "target": str(target), "inputs": [str(chat)], "run_dir": str(scratch / "run"),
-        "capture": {"dtype": "float32"},
+        "data": {"held_out": 0.5}, "capture": {"dtype": "float32"},
     })
     print(f"[....] dry run        tiny Llama target {target}, python {sys.version.split()[0]}", flush=True)
     return dry_run(config, stages=STAGES)

@@ -38,6 +38,7 @@ class Measured:
     tokens: int  # tokens the stage processed (its Progress count), 0 if it reports none
     work_s: float  # seconds covered by its Progress (the rest is fixed cost: loading, writing)
     manifest: dict
+    dir: Path | None = None
 
 
 @dataclass
@@ -61,7 +62,11 @@ def free_bytes(path: Path) -> int:
 
 
 def preflight(config: RunConfig, target: str) -> None:
-    """Checks that need only the target's config.json: fail before any weights load."""
+    """Checks that need only the config and the target's config.json: fail before any weights load."""
+    data, ev = config.settings.get("data"), config.settings.get("eval")
+    if ev is not None and config.prompts is None and data is not None and not _get(data, "held_out", default=0.0):
+        raise NestlingError("eval has no prompts: the data stage holds none out (data.held_out is 0). Set "
+                            "data.held_out (e.g. 0.02) or give a prompts: file (JSONL with 'messages' or 'prompt').")
     cap = config.settings.get("capture")
     layers = getattr(cap, "layers", None) if cap is not None else None
     if layers:
@@ -77,7 +82,7 @@ def _measure(run_dir: Path, stage: str) -> Measured:
     manifest_path = run_dir / stage / MANIFEST
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
     return Measured(float(state.get("wall_s", 0.0)), folder_bytes(run_dir / stage), int(prog.get("tokens") or 0),
-                    float(prog.get("elapsed_s") or 0.0), manifest)
+                    float(prog.get("elapsed_s") or 0.0), manifest, run_dir / stage)
 
 
 def _scaled_time(m: Measured, tokens: float, dry_tokens: float) -> float:
@@ -167,7 +172,7 @@ def estimate(config: RunConfig, stages: Sequence[Stage], dry: dict[str, Measured
                 work = int(float(epochs or 1) * train_tokens)
                 secs = _scaled_time(m, work, m.tokens)
                 note = f"{epochs or 1} epoch(s) of {train_tokens:,} tokens"
-            out.append(Estimate("train", work, m.disk_bytes, secs, note))
+            out.append(Estimate("train", work, _train_disk(m, s, steps, work), secs, note))
         elif stage.name == "eval":
             dry_s = dry_settings_of(stage, s)
             full_n = _get(s, "max_prompts", "num_prompts")
@@ -188,6 +193,19 @@ def estimate(config: RunConfig, stages: Sequence[Stage], dry: dict[str, Measured
         else:
             out.append(Estimate(stage.name, m.tokens, m.disk_bytes, m.wall_s, "as measured"))
     return out
+
+
+def _train_disk(m: Measured, s: Any, steps: int | None, work: int) -> int:
+    """The final draft plus the checkpoints kept (the dry run wrote one)."""
+    ckpts = [p for p in (m.dir / "checkpoints").glob("step-*") if p.is_dir()] if m.dir else []
+    if not ckpts:
+        return m.disk_bytes
+    per = folder_bytes(ckpts[-1])
+    rest = m.disk_bytes - sum(folder_bytes(p) for p in ckpts)
+    every = int(_get(s, "checkpoint_every", default=1) or 1)
+    n_steps = steps or max(1, work // max(int(_get(s, "batch_tokens", default=1) or 1), 1))
+    keep = int(_get(s, "keep_checkpoints", default=1) or 1)
+    return rest + per * max(1, min(keep, n_steps // every + 1))
 
 
 def dry_settings_of(stage: Stage, settings: Any) -> Any:
@@ -250,7 +268,8 @@ def dry_run(config: RunConfig, *, stages: Sequence[Stage] = STAGES, scratch: Pat
     table = format_estimates(ests, free, real_run_dir)
     report = {"dry_run_s": time.monotonic() - t0, "scratch": str(scratch), "free_bytes": free, "need_bytes": 0,
               "stages": [dataclasses.asdict(e) for e in ests],
-              "measured": {k: {f: v for f, v in dataclasses.asdict(m).items() if f != "manifest"} for k, m in measured.items()}}
+              "measured": {k: {f: v for f, v in dataclasses.asdict(m).items() if f not in ("manifest", "dir")}
+                           for k, m in measured.items()}}
     log(f"[dry-run] every stage ran on two samples in {format_duration(report['dry_run_s'])}. "
         f"The full run (rates just measured):\n{table}")
     report["need_bytes"] = check_disk(ests)
