@@ -64,7 +64,9 @@ def serve_command(target: str, draft: Path, k: int) -> str:
 
 
 def summary(run_dir: Path, target: str, k: int) -> str:
+    """What the demo prints: acceptance length per engine, the plot, the draft, the serving command."""
     report = find_report(run_dir / "eval")
+    k = int(report.get("k", k))
     acc = _acceptance(report)
     plot = report.get("plot") or next((str(p) for p in sorted((run_dir / "eval").glob("*.png"))), None)
     lines = [""]
@@ -83,13 +85,17 @@ def demo(out: Path = Path("nestling-demo"), overrides: Sequence[str] = (), dry_r
     from nestling.pipeline.dryrun import dry_run as _dry
     from nestling.pipeline.runner import resolve_paths, run
 
+    from nestling.pipeline.stages import _vllm_installed
+
+    # The acceptance length from vLLM too, when it is installed (the YAML stays valid without it).
+    if _vllm_installed() and not any(o.startswith("eval.engine=") for o in overrides):
+        overrides = ["eval.engine=both", *overrides]
     config = demo_config(out, overrides)
     if dry_run:
         _dry(config, stages=STAGES)
         return None
     run(config, stages=STAGES, header="nestling demo")
     target, _, _ = resolve_paths(config)
-    k = int(getattr(config.settings["eval"], "k", None) or getattr(config.settings["eval"], "num_speculative_tokens", 3))
-    text = summary(Path(config.run_dir), target, k)
+    text = summary(Path(config.run_dir), target, int(config.settings["eval"].k))
     print(text, flush=True)
     return text

@@ -56,9 +56,13 @@ class Stage:
         raise NestlingError(f"stage '{self.name}' is not available in this nestling build ({'; '.join(errors)})")
 
 
-def _call(spec: str, *args: Any) -> Any:
+def _resolve(spec: str) -> Callable:
     module, attr = spec.split(":")
-    return getattr(importlib.import_module(module), attr)(*args)
+    return getattr(importlib.import_module(module), attr)
+
+
+def _call(spec: str, *args: Any) -> Any:
+    return _resolve(spec)(*args)
 
 
 def replace(settings: Any, **changes: Any) -> Any:
@@ -99,7 +103,12 @@ def _capture(ctx: StageContext) -> Any:
 
 
 def _train(ctx: StageContext) -> Any:
-    return _call("nestling.train.loop:train", ctx.dir("capture"), ctx.out, ctx.settings)
+    import inspect
+
+    fn = _resolve("nestling.train.loop:train")
+    # The pipeline wipes the folder when the key changed, so whatever checkpoint is there is ours.
+    kw = {"resume": True} if "resume" in inspect.signature(fn).parameters else {}
+    return fn(ctx.dir("capture"), ctx.out, ctx.settings, **kw)
 
 
 def _export(ctx: StageContext) -> Any:
