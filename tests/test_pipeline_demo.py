@@ -22,6 +22,16 @@ def test_shipped_demo_config_is_the_example():
     assert cfg["target"] == "builtin:smollm2" and cfg["inputs"] == ["builtin:sharegpt"]
 
 
+def test_demo_config_holds_only_real_settings(tmp_path):
+    """Every key of the shipped config is a field of the real stages' settings (no typo hides)."""
+    from nestling.pipeline import STAGES, load_run_config
+
+    cfg = load_run_config(demo_config_path(), STAGES, [f"run_dir={tmp_path}"])
+    assert cfg.settings["regenerate"] is None
+    assert cfg.settings["data"].limit == 300 and cfg.settings["train"].ttt_steps == cfg.settings["eval"].k == 3
+    assert cfg.settings["capture"].device == cfg.settings["train"].device == cfg.settings["eval"].device == "cpu"
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_demo_end_to_end_on_a_subset(tmp_path, smollm2_dir, sharegpt_path, capsys):
