@@ -20,7 +20,7 @@ STAGE_CLIS = [
     "nestling.train.cli",
     "nestling.export.cli",
     "nestling.evaluate.cli",
-    "nestling.regenerate_cli",
+    "nestling.regenerate.cli",
     "nestling.pipeline_cli",
 ]
 
@@ -55,7 +55,14 @@ def main(argv: list[str] | None = None) -> int:
         except AttributeError:
             pass
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # argparse cannot match trailing `key=value` positionals after options that follow another
+    # positional (INPUT --out DIR k=v); collect them here for subcommands that take overrides.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if isinstance(getattr(args, "overrides", None), list) and all("=" in e and not e.startswith("-") for e in extra):
+            args.overrides += extra
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -1,0 +1,289 @@
+"""The data stage: chat files in, tokenized loss-masked parquet shards plus a manifest out.
+
+`prepare_data` reads every input, normalizes each record (`normalize`), renders and masks it with
+the target's chat template (`chat`), applies the length limit, assigns the held-out split and
+writes shards (`dataset.write_shard`). Rendering and tokenizing run in worker processes over
+chunks of records; results come back in input order, so the output does not depend on the
+number of workers. Every record that is not kept as-is is counted by reason in the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from nestling.config import to_dict
+from nestling.data.dataset import SPLITS, Sample, split_files, write_shard
+from nestling.data.readers import InputReport, RawRecord, read_input
+from nestling.data.settings import DataSettings
+from nestling.errors import NestlingError
+from nestling.manifest import MANIFEST, hash_bytes, hash_file, hash_json, write_manifest
+from nestling.progress import Progress, format_duration, log
+
+CHUNK = 64  # conversations per worker task: large enough for batched tokenization, small for balance
+EXAMPLES_PER_REASON = 3
+
+
+@dataclass
+class Outcome:
+    """What became of one input record."""
+
+    sample_id: str
+    source_index: int
+    input_ids: np.ndarray | None = None
+    loss_mask: np.ndarray | None = None
+    drop: str | None = None
+    detail: str = ""
+    altered: list[str] = field(default_factory=list)
+
+
+# Worker state: set in the parent before the pool forks (or by the initializer under spawn).
+_STATE: dict = {}
+
+
+def _init_worker(target_dir: str, template: str | None, settings: DataSettings, records=None) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if "fmt" not in _STATE:
+        from transformers import AutoTokenizer
+
+        from nestling.data.chat import chat_format
+
+        _STATE["fmt"] = chat_format(AutoTokenizer.from_pretrained(target_dir), template)
+    _STATE["settings"] = settings
+    if records is not None:
+        _STATE["records"] = records
+
+
+def _process(span: tuple[int, int]) -> list[Outcome]:
+    """Normalize, render, tokenize and length-limit records [start, end) of the shared record list."""
+    from nestling.data.chat import encode_conversations
+    from nestling.data.normalize import normalize_record
+
+    settings: DataSettings = _STATE["settings"]
+    records: list[tuple[str, RawRecord]] = _STATE["records"][span[0]:span[1]]
+    outcomes: list[Outcome] = []
+    todo: list[tuple[Outcome, list[dict]]] = []
+    for sid, rec in records:
+        o = Outcome(sid, rec.index)
+        outcomes.append(o)
+        if rec.data is None:
+            o.drop, o.detail = ("truncated_file" if rec.error and rec.error.startswith("truncated:") else "malformed_json"), rec.error or ""
+            continue
+        norm = normalize_record(rec.data, settings.role_map, settings.system_prompt)
+        o.altered = list(norm.altered)
+        if norm.messages is None:
+            o.drop, o.detail = norm.drop, norm.detail
+            continue
+        todo.append((o, norm.messages))
+    if todo:
+        encoded = encode_conversations(_STATE["fmt"], [m for _, m in todo], settings.last_turn_only)
+        for (o, _), enc in zip(todo, encoded):
+            o.altered += enc.altered
+            if enc.drop is not None:
+                o.drop, o.detail = enc.drop, enc.detail
+                continue
+            ids, mask = enc.input_ids, enc.loss_mask
+            assert ids is not None and mask is not None
+            if len(ids) > settings.max_length:
+                if settings.overflow == "drop":
+                    o.drop, o.detail = "too_long", f"{len(ids)} tokens > max_length {settings.max_length}"
+                    continue
+                ids, mask = ids[: settings.max_length], mask[: settings.max_length]
+                o.altered.append("truncated_to_max_length")
+                if not mask.any():
+                    o.drop, o.detail = "no_supervised_tokens_after_truncation", f"the first {settings.max_length} tokens hold no assistant reply"
+                    continue
+            if not mask.any():
+                o.drop = "no_supervised_tokens"
+                continue
+            o.input_ids = np.asarray(ids, dtype=np.int32)
+            o.loss_mask = mask
+    for o in outcomes:
+        o.altered = sorted(set(o.altered))
+    return outcomes
+
+
+def heldout_of(sample_id: str, seed: int, fraction: float) -> bool:
+    """Deterministic split: a keyed hash of the sample id, so it never depends on order or workers."""
+    if fraction <= 0:
+        return False
+    h = int.from_bytes(hashlib.blake2b(f"{seed}:{sample_id}".encode(), digest_size=8).digest(), "big")
+    return h / 2**64 < fraction
+
+
+def _sample_names(inputs: list[Path]) -> list[str]:
+    names = [p.name for p in inputs]
+    return [n if names.count(n) == 1 else f"{k}-{n}" for k, n in enumerate(names)]
+
+
+def fingerprint_of(tokenizer_fp: str, template: str, settings: DataSettings, input_fps: list[str]) -> str:
+    relevant = {k: v for k, v in to_dict(settings).items() if k not in ("workers", "shard_samples")}
+    return hash_json({"tokenizer": tokenizer_fp, "template": hash_bytes(template.encode()),
+                      "settings": relevant, "inputs": input_fps})
+
+
+def _clear(out: Path) -> None:
+    """Remove a previous (incomplete or outdated) result: the manifest first, so a crash stays incomplete."""
+    (out / MANIFEST).unlink(missing_ok=True)
+    for split in SPLITS:
+        for f in split_files(out, split):
+            f.unlink()
+    for f in out.glob(".*.parquet.tmp"):
+        f.unlink()
+
+
+def prepare_data(inputs: list[str | Path] | str | Path, target: str | Path, out: str | Path,
+                 settings: DataSettings | None = None) -> dict:
+    """Tokenize chat data for `target` into `out`; returns the manifest (see docs/data.md)."""
+    from transformers import AutoTokenizer
+
+    from nestling.data.chat import chat_format, read_template
+    from nestling.manifest import read_manifest
+    from nestling.target.load import resolve_target, tokenizer_fingerprint
+
+    settings = settings or DataSettings()
+    inputs = [Path(p) for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
+    if not inputs:
+        raise NestlingError("no input files given")
+    for p in inputs:
+        if not p.exists():
+            raise NestlingError(f"input file {p} does not exist")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise NestlingError(f"--out {out} exists and is not a folder")
+    target_dir = resolve_target(target)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    template = read_template(settings.chat_template) if settings.chat_template else None
+    fmt = chat_format(tokenizer, template)
+    tok_fp = tokenizer_fingerprint(tokenizer, fmt.template)
+    input_fps = [hash_file(p) for p in inputs]
+    fingerprint = fingerprint_of(tok_fp, fmt.template, settings, input_fps)
+
+    if (out / MANIFEST).exists():
+        try:
+            old = read_manifest(out, "data")
+        except NestlingError:
+            old = {}
+        if old.get("fingerprint") == fingerprint and all(
+                len(split_files(out, s)) == len(old.get("splits", {}).get(s, {}).get("files", [])) for s in SPLITS):
+            log(f"[data] {out} is already complete for these inputs, tokenizer, template and settings; nothing to do.")
+            return old
+        log(f"[data] {out} holds a result for other inputs or settings; redoing it.")
+    elif out.exists() and any(out.glob("*.parquet")):
+        log(f"[data] {out} holds an incomplete result (no {MANIFEST}); redoing it.")
+    out.mkdir(parents=True, exist_ok=True)
+    _clear(out)
+
+    t0 = time.monotonic()
+    records: list[tuple[str, RawRecord]] = []
+    reports: list[InputReport] = []
+    for p, name in zip(inputs, _sample_names(inputs)):
+        recs, report = read_input(p, settings.limit)
+        if report.stopped:
+            log(f"[data] warning: {p}: reading stopped early at {report.stopped}; kept the {len(recs)} complete records before it")
+            recs.append(RawRecord(len(recs), None, f"truncated: {p.name}: {report.stopped}"))
+        reports.append(report)
+        records += [(f"{name}:{r.index}", r) for r in recs]
+    log(f"[data] read {len(records)} records from {len(inputs)} file(s) in {time.monotonic() - t0:.1f}s; "
+        f"loss mask by {fmt.mask_method}")
+
+    workers = settings.workers or os.cpu_count() or 1
+    workers = max(1, min(workers, (len(records) + CHUNK - 1) // CHUNK))
+    spans = [(i, min(i + CHUNK, len(records))) for i in range(0, len(records), CHUNK)]
+    _STATE.clear()
+    _STATE.update(fmt=fmt, settings=settings, records=records)
+
+    counts: Counter = Counter()
+    altered: Counter = Counter()
+    examples: dict[str, list[str]] = {}
+    buffers: dict[str, list[Sample]] = {s: [] for s in SPLITS}
+    stats = {s: {"samples": 0, "tokens": 0, "supervised_tokens": 0, "files": []} for s in SPLITS}
+    progress = Progress("data", total=len(records), unit="conv")
+
+    def flush(split: str) -> None:
+        if buffers[split]:
+            path = out / f"{split}-{len(stats[split]['files']):05d}.parquet"
+            write_shard(path, buffers[split])
+            stats[split]["files"].append(path.name)
+            buffers[split] = []
+
+    def consume(outcomes: list[Outcome]) -> None:
+        tokens = 0
+        for o in outcomes:
+            for a in o.altered:
+                altered[a] += 1
+            if o.drop is not None:
+                counts[o.drop] += 1
+                ex = examples.setdefault(o.drop, [])
+                if len(ex) < EXAMPLES_PER_REASON:
+                    ex.append(f"{o.sample_id}: {o.detail}" if o.detail else o.sample_id)
+                continue
+            split = "heldout" if heldout_of(o.sample_id, settings.seed, settings.held_out) else "train"
+            assert o.input_ids is not None and o.loss_mask is not None
+            buffers[split].append(Sample(o.sample_id, o.source_index, o.input_ids, o.loss_mask))  # type: ignore[arg-type]
+            st = stats[split]
+            st["samples"] += 1
+            st["tokens"] += len(o.input_ids)
+            st["supervised_tokens"] += int(o.loss_mask.sum())
+            tokens += len(o.input_ids)
+            if len(buffers[split]) >= settings.shard_samples:
+                flush(split)
+        progress.update(len(outcomes), tokens=tokens, kept=stats["train"]["samples"] + stats["heldout"]["samples"])
+
+    if workers == 1:
+        for span in spans:
+            consume(_process(span))
+    else:
+        methods = mp.get_all_start_methods()
+        if "fork" in methods:
+            ctx = mp.get_context("fork")
+            pool = ctx.Pool(workers, _init_worker, (str(target_dir), template, settings))
+        else:  # spawn: each worker loads the tokenizer and receives the records
+            ctx = mp.get_context("spawn")
+            pool = ctx.Pool(workers, _init_worker, (str(target_dir), template, settings, records))
+        try:
+            for outcomes in pool.imap(_process, spans, chunksize=1):
+                consume(outcomes)
+        finally:
+            pool.terminate()
+            pool.join()
+    _STATE.clear()
+    for split in SPLITS:
+        flush(split)
+    progress.close()
+
+    kept = stats["train"]["samples"] + stats["heldout"]["samples"]
+    elapsed = time.monotonic() - t0
+    manifest = write_manifest(
+        out, "data", to_dict(settings),
+        inputs={
+            "tokenizer": tok_fp,
+            "chat_template": hash_bytes(fmt.template.encode()),
+            "data": [{"path": str(p.resolve()), "fingerprint": fp, "format": r.format, "records": r.records,
+                      "stopped": r.stopped} for p, fp, r in zip(inputs, input_fps, reports)],
+        },
+        target=str(target_dir.resolve()),
+        fingerprint=fingerprint,
+        mask_method=fmt.mask_method,
+        counts={"read": len(records), "kept": kept, "dropped": dict(sorted(counts.items())),
+                "altered": dict(sorted(altered.items()))},
+        examples=examples,
+        splits=stats,
+        elapsed_s=round(elapsed, 2),
+    )
+    dropped = sum(counts.values())
+    log(f"[data] kept {kept}/{len(records)} conversations ({dropped} dropped"
+        + (": " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) if counts else "") + ")"
+        + f"; {stats['train']['tokens']:,} train tokens ({stats['train']['supervised_tokens']:,} supervised), "
+        + f"{stats['heldout']['samples']} held out; {format_duration(elapsed)} -> {out}")
+    return manifest
+
+
+__all__ = ["prepare_data", "DataSettings", "heldout_of"]

@@ -1,0 +1,142 @@
+"""Readers for chat data: ShareGPT JSON (a list), JSONL, and parquet.
+
+Every reader yields raw records with their index in the file; it never decides what a
+conversation means (that is `normalize`). Broken input is reported, never silently lost:
+a malformed JSONL line becomes a record carrying an error (counted by the caller), and a
+JSON list cut off mid-record (the ShareGPT file on the package index is) yields every
+complete record plus a note of where and why reading stopped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nestling.errors import NestlingError
+
+FORMATS = ("json", "jsonl", "parquet")
+CHAT_COLUMNS = ("conversations", "messages")
+
+
+@dataclass
+class RawRecord:
+    index: int  # position in the file: list index (JSON), line number - 1 (JSONL), row (parquet)
+    data: dict | None
+    error: str | None = None  # why `data` is missing: the record could not be parsed
+
+
+@dataclass
+class InputReport:
+    path: str
+    format: str
+    records: int = 0  # records read (including ones with errors)
+    stopped: str | None = None  # where and why reading stopped early, for a truncated file
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def detect_format(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return "parquet"
+    if suffix in (".jsonl", ".ndjson"):
+        return "jsonl"
+    if suffix == ".json":
+        with open(path, encoding="utf-8", errors="replace") as f:
+            head = f.read(4096).lstrip()
+        return "json" if head.startswith("[") else "jsonl"
+    raise NestlingError(f"{path}: unknown input format {suffix!r}; give .json (ShareGPT list), .jsonl or .parquet")
+
+
+def read_input(path: Path, limit: int | None = None) -> tuple[list[RawRecord], InputReport]:
+    """All records of one input file (the first `limit` when given)."""
+    path = Path(path)
+    if not path.exists():
+        raise NestlingError(f"input file {path} does not exist")
+    if path.is_dir():
+        raise NestlingError(f"input {path} is a folder; give the data files themselves (e.g. {path}/*.jsonl)")
+    fmt = detect_format(path)
+    reader = {"json": _read_json_list, "jsonl": _read_jsonl, "parquet": _read_parquet}[fmt]
+    report = InputReport(str(path), fmt)
+    records = reader(path, limit, report)
+    report.records = len(records)
+    return records, report
+
+
+def _read_json_list(path: Path, limit: int | None, report: InputReport) -> list[RawRecord]:
+    """A JSON list read item by item, so that a file cut off mid-record still yields its complete records."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    decoder = json.JSONDecoder()
+    n = len(text)
+    pos = text.index("[") + 1
+    out: list[RawRecord] = []
+    ws = " \t\r\n"
+    while limit is None or len(out) < limit:
+        while pos < n and text[pos] in ws:
+            pos += 1
+        if pos < n and text[pos] == "]":
+            break
+        if pos >= n:
+            report.stopped = f"file ends at character {n} before the list is closed (after record {len(out) - 1})"
+            break
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            report.stopped = (f"record {len(out)} (line {e.lineno}, column {e.colno}, character {e.pos}) "
+                              f"cannot be parsed: {e.msg}; the file looks cut off or corrupt there")
+            break
+        if isinstance(item, dict):
+            out.append(RawRecord(len(out), item))
+        else:
+            out.append(RawRecord(len(out), None, f"{path.name}: record {len(out)} is a {type(item).__name__}, not an object"))
+        while pos < n and text[pos] in ws:
+            pos += 1
+        if pos < n and text[pos] == ",":
+            pos += 1
+        elif pos < n and text[pos] == "]":
+            break
+        elif pos < n:
+            report.stopped = f"record {len(out)}: expected ',' or ']' at character {pos}, found {text[pos]!r}"
+            break
+    return out
+
+
+def _read_jsonl(path: Path, limit: int | None, report: InputReport) -> list[RawRecord]:
+    out: list[RawRecord] = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f):
+            if limit is not None and len(out) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                out.append(RawRecord(lineno, None, f"{path.name}:{lineno + 1}: malformed JSON ({e.msg} at column {e.colno})"))
+                continue
+            if not isinstance(item, dict):
+                out.append(RawRecord(lineno, None, f"{path.name}:{lineno + 1}: a {type(item).__name__}, not an object"))
+                continue
+            out.append(RawRecord(lineno, item))
+    return out
+
+
+def _read_parquet(path: Path, limit: int | None, report: InputReport) -> list[RawRecord]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises several types for a broken file
+        raise NestlingError(f"{path} is not a readable parquet file: {e}") from None
+    names = pf.schema_arrow.names
+    column = next((c for c in CHAT_COLUMNS if c in names), None)
+    if column is None:
+        raise NestlingError(
+            f"{path} has columns {names}; a chat parquet needs a 'conversations' column (ShareGPT: list of "
+            f"{{from, value}}) or a 'messages' column (list of {{role, content}})")
+    keep = [c for c in (column, "id") if c in names]
+    table = pf.read(columns=keep)
+    if limit is not None:
+        table = table.slice(0, limit)
+    return [RawRecord(i, row) for i, row in enumerate(table.to_pylist())]

@@ -1,0 +1,35 @@
+"""Settings of the data stage (the pipeline composes this dataclass under `data:`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class DataSettings:
+    """How chat records become tokenized, loss-masked samples. See docs/data.md."""
+
+    max_length: int = 2048  # tokens per sample; longer samples are truncated or dropped (`overflow`)
+    overflow: Literal["truncate", "drop"] = "truncate"
+    last_turn_only: bool = False  # supervise only the last assistant turn of each conversation
+    system_prompt: str | None = None  # replaces (or inserts) the system message of every conversation
+    chat_template: str | None = None  # path of a Jinja template file; default: the tokenizer's own
+    held_out: float = 0.0  # fraction of kept samples that go to the `heldout` split
+    seed: int = 0  # seed of the held-out assignment
+    limit: int | None = None  # read only the first N records of each input (quick runs, tests)
+    shard_samples: int = 4096  # samples per parquet shard
+    workers: int = 0  # processes for rendering + tokenizing; 0 = all CPU cores
+    role_map: dict = field(default_factory=dict)  # extra `from`/`role` names -> user|assistant|system|tool
+
+    def __post_init__(self) -> None:
+        from nestling.errors import NestlingError
+
+        if self.max_length < 2:
+            raise NestlingError(f"max_length must be at least 2, got {self.max_length}")
+        if not 0.0 <= self.held_out < 1.0:
+            raise NestlingError(f"held_out is a fraction in [0, 1), got {self.held_out}")
+        if self.shard_samples < 1:
+            raise NestlingError(f"shard_samples must be positive, got {self.shard_samples}")
+        if self.limit is not None and self.limit < 1:
+            raise NestlingError(f"limit must be positive, got {self.limit}")

@@ -1,0 +1,66 @@
+"""What gets regenerated and how a prompt is rendered: the target's own chat template, our tokens.
+
+We render prompts ourselves (template -> text -> token ids) and hand every engine token ids, so
+the in-process engines and a remote server see exactly the same prompt.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+
+
+def plan(messages: list[dict], max_turns: int = 0) -> tuple[list[dict], list[str]]:
+    """Trim a conversation to what the target can answer; return (messages, alterations).
+
+    Leading assistant turns have no question to answer and trailing user turns no answer to
+    supervise, so both are dropped (and counted). `max_turns` keeps the first N assistant turns.
+    """
+    altered: list[str] = []
+    msgs = [dict(m) for m in messages]
+    first_user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
+    if first_user is None:
+        return [], altered
+    lead = [i for i, m in enumerate(msgs[:first_user]) if m["role"] == "assistant"]
+    if lead:
+        msgs = [m for i, m in enumerate(msgs) if i not in lead]
+        altered.append("leading_assistant_dropped")
+    assistant = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    if max_turns and len(assistant) > max_turns:
+        msgs = msgs[: assistant[max_turns - 1] + 1]
+        altered.append("turns_beyond_max_turns_dropped")
+    assistant = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    if not assistant:
+        return [], altered
+    if assistant[-1] != len(msgs) - 1:
+        msgs = msgs[: assistant[-1] + 1]
+        altered.append("trailing_turns_dropped")
+    return msgs, altered
+
+
+def assistant_positions(messages: list[dict]) -> list[int]:
+    return [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+
+
+def template_kwargs(reasoning: str) -> dict[str, Any]:
+    # Templates with a thinking switch (Qwen3 and kin) read `enable_thinking`; others ignore it.
+    return {"enable_thinking": False} if reasoning == "disable" else {}
+
+
+def render_prompt(tokenizer, history: list[dict], reasoning: str = "keep") -> list[int]:
+    """Token ids of `history` followed by the assistant generation prompt, via the target's template."""
+    text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True,
+                                         **template_kwargs(reasoning))
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def postprocess(text: str, reasoning: str) -> str:
+    """The answer as stored: with `strip`, thinking blocks are removed (also one the template opened)."""
+    if reasoning != "strip":
+        return text
+    text = THINK_BLOCK.sub("", text)
+    if "</think>" in text:  # the generation prompt already opened <think>
+        text = text.split("</think>", 1)[1]
+    return text.lstrip()

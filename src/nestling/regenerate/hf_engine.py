@@ -1,0 +1,81 @@
+"""transformers `generate`: the embedded fallback (no vLLM, no server), batched with left padding.
+
+Greedy output equals the target's own greedy decode of the same prompt. With sampling, each
+batch is seeded from its first request, so sampled output depends on how requests are batched.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nestling.regenerate.engine import Completion, Request
+from nestling.regenerate.settings import RegenerateSettings
+
+
+class HFEngine:
+    name = "hf"
+
+    def __init__(self, target: Path, s: RegenerateSettings):
+        import torch
+        from transformers import AutoTokenizer
+
+        from nestling.target.load import load_model
+
+        self.s = s
+        dtype = "float32" if s.dtype == "auto" and s.device == "cpu" else ("bfloat16" if s.dtype == "auto" else s.dtype)
+        self.model = load_model(target, dtype=dtype, device=s.device)
+        self.tok = AutoTokenizer.from_pretrained(target)
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        if self.tok.eos_token_id is not None and self.tok.eos_token_id not in eos:
+            eos.append(self.tok.eos_token_id)
+        self.eos = eos
+        self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else eos[0]
+        self.max_model_len = getattr(self.model.config, "max_position_embeddings", None)
+        self.torch = torch
+
+    def _batch(self, reqs: list[Request]) -> list[Completion]:
+        torch = self.torch
+        width = max(len(r.prompt_ids) for r in reqs)
+        ids = torch.full((len(reqs), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(reqs), width), dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            mask[i, width - len(r.prompt_ids):] = 1
+        sampled = self.s.temperature > 0
+        kw = dict(do_sample=sampled, max_new_tokens=max(r.max_tokens for r in reqs), eos_token_id=self.eos,
+                  pad_token_id=self.pad)
+        if sampled:
+            torch.manual_seed(reqs[0].seed)
+            kw.update(temperature=self.s.temperature, top_p=self.s.top_p, top_k=self.s.top_k or None)
+        else:
+            kw.update(temperature=None, top_p=None, top_k=None)
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids.to(self.s.device), attention_mask=mask.to(self.s.device), **kw)
+        res = []
+        for i, r in enumerate(reqs):
+            gen = out[i, width:].tolist()[: r.max_tokens]
+            stop = next((j for j, t in enumerate(gen) if t in self.eos), None)
+            tokens = gen[: stop + 1] if stop is not None else gen
+            text_ids = gen[:stop] if stop is not None else gen
+            res.append(Completion(text=self.tok.decode(text_ids, skip_special_tokens=True), token_ids=tokens,
+                                  num_tokens=len(tokens), finish_reason="stop" if stop is not None else "length"))
+        return res
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        # Length-sorted batches waste less compute on padding; results go back in request order.
+        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
+        out: list[Completion | None] = [None] * len(requests)
+        bs = max(1, self.s.hf_batch_size)
+        for k in range(0, len(order), bs):
+            idx = order[k:k + bs]
+            try:
+                comps = self._batch([requests[i] for i in idx])
+            except Exception as e:  # e.g. out of memory: fail these requests, not the run
+                comps = [Completion(error="engine_error", detail=f"{type(e).__name__}: {e}"[:500]) for _ in idx]
+            for i, c in zip(idx, comps):
+                out[i] = c
+        return out  # type: ignore[return-value]
+
+    def close(self) -> None:
+        del self.model

@@ -1,0 +1,244 @@
+"""`regenerate(input, target, out, settings)`: the target rewrites every assistant turn.
+
+Turn k of a conversation is generated from the history whose earlier answers were already
+regenerated, so the draft later learns the target's own distribution. Conversations are processed
+in chunks; inside a chunk, all conversations' turn k form one engine batch. A finished chunk is
+appended to the output files and fsynced, then `state.json` records the new file sizes; a rerun
+truncates the files to those sizes and continues with the next chunk, so a kill -9 costs at most
+the chunk in flight and the result equals an uninterrupted run.
+
+Output (`OUT/`): `messages.jsonl` (kept conversations, `{"id", "source_index", "messages"}`, read by
+the data stage as is), `failed.jsonl` (every failed or skipped record with its reason), `manifest.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nestling.config import to_dict
+from nestling.errors import NestlingError
+from nestling.manifest import MANIFEST, atomic_write_json, hash_file, hash_json, write_manifest
+from nestling.progress import Progress, log
+from nestling.regenerate.chat import assistant_positions, plan, postprocess, render_prompt
+from nestling.regenerate.engine import Engine, Request, make_engine, resolve_engine
+from nestling.regenerate.readers import Record, read_records
+from nestling.regenerate.settings import OUTPUT_FIELDS, RegenerateSettings
+
+MESSAGES = "messages.jsonl"
+FAILED = "failed.jsonl"
+STATE = "state.json"
+
+
+@dataclass
+class Conv:
+    """One conversation in flight: its messages are rewritten in place, answer by answer."""
+
+    rec: Record
+    messages: list[dict]
+    positions: list[int]
+    token_ids: list[list[int]] = field(default_factory=list)
+    failed: tuple[str, str] | None = None
+
+
+@dataclass
+class ChunkResult:
+    kept: list[dict]
+    dropped: list[dict]  # failed + skipped, each with status and reason
+    counts: Counter  # "kept", "failed:<reason>", "skipped:<reason>", "altered:<reason>"
+    output_tokens: int = 0
+    turns: int = 0
+    truncated_turns: int = 0
+
+
+def _seed(s: RegenerateSettings, rec: Record, turn: int) -> int:
+    # Depends on the record and turn only, so a resumed run samples exactly what it would have.
+    return (s.seed * 1_000_003 + rec.source_index * 1_009 + turn) % (2**31 - 1)
+
+
+def run_chunk(records: list[Record], engine: Engine, tokenizer, s: RegenerateSettings, max_len: int,
+              progress: Progress | None = None) -> ChunkResult:
+    res = ChunkResult([], [], Counter())
+    convs: list[Conv] = []
+    for rec in records:
+        if rec.skip:
+            res.dropped.append({"id": rec.id, "source_index": rec.source_index, "status": "skipped",
+                                "reason": rec.skip, "detail": rec.detail})
+            res.counts[f"skipped:{rec.skip}"] += 1
+            continue
+        msgs, altered = plan(rec.messages or [], s.max_turns)
+        for a in altered:
+            res.counts[f"altered:{a}"] += 1
+        if not msgs:
+            res.dropped.append({"id": rec.id, "source_index": rec.source_index, "status": "skipped",
+                                "reason": "no_assistant_turn", "detail": "no assistant turn after a user turn"})
+            res.counts["skipped:no_assistant_turn"] += 1
+            continue
+        convs.append(Conv(rec, msgs, assistant_positions(msgs)))
+    for turn in range(max((len(c.positions) for c in convs), default=0)):
+        batch: list[tuple[Conv, Request]] = []
+        for c in convs:
+            if c.failed or turn >= len(c.positions):
+                continue
+            pos = c.positions[turn]
+            ids = render_prompt(tokenizer, c.messages[:pos], s.reasoning)
+            if len(ids) >= max_len:
+                c.failed = ("context_overflow", f"assistant turn {turn}: prompt is {len(ids)} tokens, "
+                                                f"max_model_len is {max_len}")
+                continue
+            batch.append((c, Request(ids, min(s.max_new_tokens, max_len - len(ids)), _seed(s, c.rec, turn))))
+        outs = engine.generate([r for _, r in batch])
+        for (c, _), out in zip(batch, outs):
+            if out.error:
+                c.failed = (out.error, f"assistant turn {turn}: {out.detail}")
+                continue
+            c.messages[c.positions[turn]]["content"] = postprocess(out.text, s.reasoning)
+            c.token_ids.append(out.token_ids or [])
+            res.output_tokens += out.num_tokens
+            res.turns += 1
+            res.truncated_turns += out.finish_reason == "length"
+        if progress is not None:
+            progress.update(0, tokens=sum(o.num_tokens for o in outs), turn=turn)
+    for c in convs:
+        if c.failed:
+            reason, detail = c.failed
+            res.dropped.append({"id": c.rec.id, "source_index": c.rec.source_index, "status": "failed",
+                                "reason": reason, "detail": detail})
+            res.counts[f"failed:{reason}"] += 1
+            continue
+        row = {"id": c.rec.id, "source_index": c.rec.source_index, "messages": c.messages}
+        if s.save_token_ids:
+            row["completion_token_ids"] = c.token_ids
+        res.kept.append(row)
+        res.counts["kept"] += 1
+    return res
+
+
+def _append(path: Path, rows: list[dict]) -> int:
+    """Append rows as JSON lines, fsync, and return the new file size (the commit point)."""
+    with open(path, "ab") as f:
+        for row in rows:
+            f.write((json.dumps(row, ensure_ascii=False) + "\n").encode())
+        f.flush()
+        os.fsync(f.fileno())
+        return f.tell()
+
+
+def _truncate(path: Path, size: int) -> None:
+    """Cut a file back to its last committed size (drops a half-written chunk after a crash)."""
+    if not path.exists():
+        if size:
+            raise NestlingError(f"{path} is missing but {STATE} says it held {size} bytes; delete the folder and rerun")
+        path.touch()
+        return
+    if path.stat().st_size < size:
+        raise NestlingError(f"{path} is shorter than {STATE} records; the folder is damaged: delete it and rerun")
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+def summarize(counts: Counter) -> dict:
+    def by(prefix: str) -> dict:
+        return dict(sorted((k.split(":", 1)[1], v) for k, v in counts.items() if k.startswith(prefix + ":")))
+    failed, skipped = by("failed"), by("skipped")
+    return {"read": counts["kept"] + sum(failed.values()) + sum(skipped.values()), "kept": counts["kept"],
+            "failed": failed, "skipped": skipped, "altered": by("altered")}
+
+
+def regenerate(input: str | Path, target: str | Path, out: str | Path,
+               settings: RegenerateSettings | None = None) -> dict:
+    """Regenerate every assistant turn of `input` with `target`; write `out/`; return the manifest."""
+    from nestling.target.load import load_config, load_tokenizer, resolve_target, target_fingerprint, tokenizer_fingerprint
+
+    s = settings or RegenerateSettings()
+    input, out = Path(input), Path(out)
+    if not input.is_file():
+        raise NestlingError(f"input {input} does not exist or is not a file (give a .json or .jsonl chat file)")
+    if s.max_new_tokens < 1 or s.chunk_size < 1:
+        raise NestlingError("max_new_tokens and chunk_size must be at least 1")
+    target_dir = resolve_target(target)
+    tokenizer = load_tokenizer(target_dir)
+    if not getattr(tokenizer, "chat_template", None):
+        raise NestlingError(f"target {target_dir} has no chat template; regeneration renders prompts with it")
+    engine_name = resolve_engine(s)
+    cfg_len = getattr(load_config(target_dir), "max_position_embeddings", None) or 4096
+    max_len = s.max_model_len or cfg_len
+    inputs = {"data": {"path": str(input.resolve()), "fingerprint": hash_file(input)},
+              "target": target_fingerprint(target_dir), "tokenizer": tokenizer_fingerprint(tokenizer)}
+    fingerprint = hash_json({"inputs": inputs, "settings": {k: getattr(s, k) for k in OUTPUT_FIELDS}})
+
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / MANIFEST).exists():
+        manifest = json.loads((out / MANIFEST).read_text())
+        if manifest.get("fingerprint") == fingerprint:
+            log(f"[regenerate] {out} is already complete for these inputs and settings; nothing to do")
+            return manifest
+        raise NestlingError(f"{out} holds a finished regeneration of other inputs or settings; use another --out or delete it")
+    state_path = out / STATE
+    state = json.loads(state_path.read_text()) if state_path.exists() else None
+    if state and state.get("fingerprint") != fingerprint:
+        raise NestlingError(f"{out} holds an unfinished regeneration of other inputs or settings; "
+                            "rerun with the same ones to continue, or use another --out")
+    state = state or {"fingerprint": fingerprint, "chunks_done": 0, "bytes": {MESSAGES: 0, FAILED: 0},
+                      "counts": {}, "output_tokens": 0, "turns": 0, "truncated_turns": 0, "seconds": 0.0}
+    for name in (MESSAGES, FAILED):
+        _truncate(out / name, state["bytes"][name])
+
+    records = list(read_records(input))
+    if s.limit:
+        records = records[: s.limit]
+    chunks = [records[i:i + s.chunk_size] for i in range(0, len(records), s.chunk_size)]
+    counts = Counter(state["counts"])
+    todo = chunks[state["chunks_done"]:]
+    if state["chunks_done"]:
+        log(f"[regenerate] resuming: {state['chunks_done']}/{len(chunks)} chunks already done")
+
+    engine = None
+    if todo:
+        engine = make_engine(engine_name, target_dir, s, max_len)
+        if engine.max_model_len and engine.max_model_len < max_len:
+            log(f"[regenerate] the engine allows {engine.max_model_len} tokens per sequence; using that limit")
+            max_len = engine.max_model_len
+    progress = Progress("regenerate", total=sum(len(c) for c in todo), unit="conv")
+    start = time.monotonic()
+    try:
+        for chunk in todo:
+            t0 = time.monotonic()
+            res = run_chunk(chunk, engine, tokenizer, s, max_len, progress)
+            state["bytes"][MESSAGES] = _append(out / MESSAGES, res.kept)
+            state["bytes"][FAILED] = _append(out / FAILED, res.dropped)
+            counts.update(res.counts)
+            state["counts"] = dict(counts)
+            state["chunks_done"] += 1
+            for k in ("output_tokens", "turns", "truncated_turns"):
+                state[k] += getattr(res, k)
+            state["seconds"] += time.monotonic() - t0
+            atomic_write_json(state_path, state)  # the commit: files up to these sizes are final
+            progress.update(len(chunk), force=True)
+    finally:
+        if engine is not None:
+            engine.close()
+    if todo:
+        progress.close()
+
+    summary = summarize(counts)
+    if summary["read"] != len(records):
+        raise NestlingError(f"internal accounting error: {summary['read']} records accounted, {len(records)} read")
+    secs = max(state["seconds"], 1e-9)
+    manifest = write_manifest(
+        out, "regenerate", {**to_dict(s), "engine": engine_name, "max_model_len": max_len}, inputs,
+        fingerprint=fingerprint, target=str(target_dir), counts=summary,
+        files={"messages": MESSAGES, "failed": FAILED}, format="messages_jsonl",
+        generation={"turns": state["turns"], "output_tokens": state["output_tokens"],
+                    "truncated_turns": state["truncated_turns"], "seconds": round(state["seconds"], 3),
+                    "conversations_per_s": round(len(records) / secs, 4),
+                    "output_tokens_per_s": round(state["output_tokens"] / secs, 2)},
+    )
+    log(f"[regenerate] done: {summary['kept']} kept, {sum(summary['failed'].values())} failed "
+        f"{summary['failed']}, {sum(summary['skipped'].values())} skipped {summary['skipped']} "
+        f"-> {out / MESSAGES} ({time.monotonic() - start:.1f} s)")
+    return manifest

@@ -1,0 +1,49 @@
+"""Settings of the regenerate stage (one dataclass; YAML + `key=value` overrides via nestling.config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Engine = Literal["auto", "vllm", "openai", "hf"]
+Reasoning = Literal["keep", "strip", "disable"]
+
+
+@dataclass
+class RegenerateSettings:
+    """How the target rewrites every assistant turn of the input conversations.
+
+    Only the fields in `OUTPUT_FIELDS` change what is written; the others (where and how fast
+    we generate) may change between a run and its resumption.
+    """
+
+    engine: Engine = "auto"  # auto: openai when urls are given, else vllm when installed, else hf
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 1024  # per assistant turn
+    seed: int = 0  # per-request seeds derive from it (sampling only)
+    reasoning: Reasoning = "keep"  # keep / strip <think>..</think> from answers / disable thinking in the template
+    max_model_len: int = 0  # prompt + answer limit; 0 = the target's max_position_embeddings
+    max_turns: int = 0  # regenerate (and keep) only the first N assistant turns; 0 = all
+    limit: int = 0  # only the first N input records; 0 = all
+    chunk_size: int = 64  # conversations committed to disk together (the unit of resumption)
+    save_token_ids: bool = False  # also write the generated token ids of every turn (for checks)
+    dtype: str = "auto"  # vllm / hf weights dtype: auto, bfloat16, float16, float32
+    # engine: hf
+    device: str = "cpu"
+    hf_batch_size: int = 8
+    # engine: openai (one or several OpenAI-compatible servers, requests spread round-robin)
+    urls: list[str] = field(default_factory=list)
+    server_model: str = ""  # model name on the server; "" = the first one /v1/models lists
+    api_key_env: str = "OPENAI_API_KEY"  # environment variable holding the key (never stored)
+    concurrency: int = 16  # requests in flight per server
+    retries: int = 5
+    timeout_s: float = 600.0
+    # engine: vllm (extra keyword arguments for vllm.LLM, e.g. tensor_parallel_size, enforce_eager)
+    vllm: dict[str, Any] = field(default_factory=dict)
+
+
+# Settings that determine the output; a rerun with different values must not resume a folder.
+OUTPUT_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "reasoning",
+                 "max_model_len", "max_turns", "limit", "chunk_size", "save_token_ids")

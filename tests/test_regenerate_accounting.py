@@ -1,0 +1,96 @@
+"""Regeneration bookkeeping on a tiny random-weight target (hf engine): every record is accounted
+for by reason, context overflow fails the conversation (never drops it), reruns resume or refuse."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nestling.errors import NestlingError
+from nestling.regenerate import RegenerateSettings, regenerate
+from nestling.regenerate.chat import plan, postprocess
+from nestling.regenerate.readers import read_records
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+ROWS = [
+    {"id": "ok1", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "old"},
+                                    {"from": "human", "value": "More?"}, {"from": "gpt", "value": "old2"}]},
+    {"id": "long", "messages": [{"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "x"}]},
+    {"id": "late_long", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"},
+                                     {"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "y"}]},
+    {"id": "no_answer", "messages": [{"role": "user", "content": "Hi"}]},
+    {"id": "bad_role", "messages": [{"role": "wizard", "content": "Hi"}]},
+    "{not json",
+    {"id": "empty", "messages": []},
+    {"id": "ok2", "messages": [{"role": "assistant", "content": "lead"}, {"role": "user", "content": "Hello"},
+                               {"role": "assistant", "content": "old"}, {"role": "user", "content": "trailing"}]},
+]
+
+
+def test_reader_normalises_roles_and_tolerates_a_cut_off_json_array(tmp_path):
+    p = tmp_path / "cut.json"
+    p.write_text(json.dumps([ROWS[0], ROWS[7]])[:-1] + ', {"id": "cut", "conversations": [{"from": "hu')
+    recs = list(read_records(p))
+    assert [r.id for r in recs] == ["ok1", "ok2", "cut-2"]
+    assert [m["role"] for m in recs[0].messages] == ["user", "assistant", "user", "assistant"]
+    assert recs[2].skip == "malformed"
+    with pytest.raises(NestlingError, match="does not exist"):
+        list(read_records(tmp_path / "missing.jsonl"))
+
+
+def test_plan_drops_unanswerable_turns_and_strip_removes_thinking():
+    msgs, altered = plan([{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"},
+                          {"role": "assistant", "content": "b"}, {"role": "user", "content": "q2"}])
+    assert [m["role"] for m in msgs] == ["user", "assistant"]
+    assert altered == ["leading_assistant_dropped", "trailing_turns_dropped"]
+    assert postprocess("<think>\nplan\n</think>\n\nAnswer", "strip") == "Answer"
+    assert postprocess("plan</think>Answer", "strip") == "Answer"  # template opened <think> itself
+    assert postprocess("<think>x</think>A", "keep") == "<think>x</think>A"
+
+
+def test_overflow_fails_with_reason_and_counts_add_up(tmp_path, tiny_target):
+    target = tiny_target("llama")
+    data = _write_jsonl(tmp_path / "in.jsonl", ROWS)
+    s = RegenerateSettings(engine="hf", max_new_tokens=4, max_model_len=256, chunk_size=3, save_token_ids=True)
+    m = regenerate(data, target, tmp_path / "out", s)
+    c = m["counts"]
+    assert c["read"] == len(ROWS) == c["kept"] + sum(c["failed"].values()) + sum(c["skipped"].values())
+    assert c["kept"] == 2 and c["failed"] == {"context_overflow": 2}
+    assert c["skipped"] == {"empty": 1, "malformed": 1, "no_assistant_turn": 1, "unknown_role": 1}
+    assert c["altered"] == {"leading_assistant_dropped": 1, "trailing_turns_dropped": 1}
+    kept = [json.loads(line) for line in (tmp_path / "out" / "messages.jsonl").read_text().splitlines()]
+    dropped = {json.loads(line)["id"]: json.loads(line) for line in (tmp_path / "out" / "failed.jsonl").read_text().splitlines()}
+    assert [k["id"] for k in kept] == ["ok1", "ok2"] and [k["source_index"] for k in kept] == [0, 7]
+    assert dropped["late_long"]["status"] == "failed" and "assistant turn 1" in dropped["late_long"]["detail"]
+    assert len(dropped) + len(kept) == len(ROWS)
+    # every assistant turn was regenerated (random weights: no old text survives) with <= 4 new tokens
+    for k in kept:
+        answers = [x["content"] for x in k["messages"] if x["role"] == "assistant"]
+        assert len(answers) == len(k["completion_token_ids"]) and all(a not in ("old", "old2") for a in answers)
+        assert all(1 <= len(t) <= 4 for t in k["completion_token_ids"])
+    assert m["generation"]["turns"] == 4  # 3 kept answers + late_long's first, generated before it overflowed
+
+
+def test_rerun_is_a_no_op_and_other_settings_are_refused(tmp_path, tiny_target):
+    target = tiny_target("llama")
+    data = _write_jsonl(tmp_path / "in.jsonl", ROWS[:1])
+    s = RegenerateSettings(engine="hf", max_new_tokens=3, chunk_size=1)
+    first = regenerate(data, target, tmp_path / "out", s)
+    before = (tmp_path / "out" / "messages.jsonl").read_bytes()
+    assert regenerate(data, target, tmp_path / "out", s)["fingerprint"] == first["fingerprint"]
+    assert (tmp_path / "out" / "messages.jsonl").read_bytes() == before
+    with pytest.raises(NestlingError, match="other inputs or settings"):
+        regenerate(data, target, tmp_path / "out", RegenerateSettings(engine="hf", max_new_tokens=5, chunk_size=1))
+
+
+def test_unreachable_server_is_a_clear_error(tmp_path, tiny_target):
+    data = _write_jsonl(tmp_path / "in.jsonl", ROWS[:1])
+    s = RegenerateSettings(engine="openai", urls=["http://127.0.0.1:9"], retries=0)
+    with pytest.raises(NestlingError, match="cannot reach the server"):
+        regenerate(data, tiny_target("llama"), tmp_path / "out", s)
