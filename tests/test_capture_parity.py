@@ -27,7 +27,7 @@ def reference(model, ids: torch.Tensor, layer_ids: list[int]) -> tuple[torch.Ten
     return torch.stack([out.hidden_states[j][0] for j in layer_ids], 1), out.logits[0]
 
 
-def close(got: torch.Tensor, ref: torch.Tensor, dtype: str) -> None:
+def close(got: torch.Tensor, ref: torch.Tensor, dtype: str, tol: float = 1e-5) -> None:
     """fp32: every element within 1e-5 of the token's RMS (real models carry outlier dims in the hundreds,
     where 1e-5 absolute is below fp32 resolution). bf16: every token's state within 2% of its norm (bf16
     keeps 8 mantissa bits, and a different GEMM shape rounds differently)."""
@@ -35,7 +35,7 @@ def close(got: torch.Tensor, ref: torch.Tensor, dtype: str) -> None:
     if dtype == "float32":
         scale = ref.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1.0)
         err = ((got - ref).abs() / scale).max()
-        assert err <= 1e-5, f"max error {err:.3g} x token RMS"
+        assert err <= tol, f"max error {err:.3g} x token RMS"
     else:
         err = (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)
         assert err.max() < 2e-2, f"relative error {err.max():.3g}"
@@ -48,7 +48,7 @@ def data_dir(smollm2_dir, tmp_path_factory):
     return make_data_dir(tmp_path_factory.mktemp("data"), tok, smollm2_dir, n_train=4, n_heldout=2, seed=1, max_words=14)
 
 
-def check_capture(target, data, tmp_path, dtype: str):
+def check_capture(target, data, tmp_path, dtype: str, tol: float = 1e-5):
     # a budget of ~2.5 longest samples: batches mix lengths, so most samples are right-padded
     from nestling.data.dataset import load_samples
 
@@ -76,13 +76,13 @@ def check_capture(target, data, tmp_path, dtype: str):
             assert item["aux"].shape == (T, (len(ids_) - 1) * H) and item["final"].shape == (T, H)
             got = torch.cat([item["aux"].view(T, -1, H), item["final"][:, None]], 1)
             ref, logits = reference(model, item["input_ids"], ids_)
-            close(got, ref, dtype)
+            close(got, ref, dtype, tol)
             a = offsets[item["sample_id"]]
-            close(one_batch[a:a + T], ref, dtype)
+            close(one_batch[a:a + T], ref, dtype, tol)
             # id L is the post-norm state: the LM head applied to it gives the target's logits
             head = model.get_output_embeddings()
             with torch.inference_mode():
-                close(head(item["final"][-3:]), logits[-3:], dtype)
+                close(head(item["final"][-3:]), logits[-3:], dtype, tol)
             seen += 1
     assert seen == len(samples)
     assert max(lens) > min(lens)  # the batches really were padded
@@ -99,8 +99,10 @@ def test_tiny_llama_bf16_matches_hidden_states(tiny_target, data_dir, tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_matches_hidden_states(smollm2_dir, data_dir, tmp_path):
-    """The real target (bf16 weights) in fp32: CPUs without bf16 matrix units run bf16 ~50x slower."""
-    check_capture(smollm2_dir, data_dir, tmp_path, "float32")
+    """The real target (bf16 weights) in fp32: CPUs without bf16 matrix units run bf16 ~50x slower.
+    Its 30 layers accumulate GEMM-order rounding to ~2e-5 x RMS when all six samples share one padded
+    batch (measured 1.7e-5); a padding leak would be O(1), so 5e-5 still catches any real bug."""
+    check_capture(smollm2_dir, data_dir, tmp_path, "float32", tol=5e-5)
 
 
 def test_early_stop_and_layer_subset(tiny_target):
