@@ -12,7 +12,7 @@ import yaml
 from nestling.demo import demo, demo_config_path
 
 SMALL = ["data.limit=50", "data.max_length=128", "data.held_out=0.1", "train.steps=4", "train.batch_tokens=1024",
-         "train.eval_batches=1", "train.checkpoint_every=2", "eval.max_prompts=2", "eval.max_new_tokens=16"]
+         "train.eval_batches=1", "train.checkpoint_every=2", "eval.max_prompts=1", "eval.max_new_tokens=16"]
 
 
 def test_shipped_demo_config_is_the_example():
