@@ -13,7 +13,7 @@ from pathlib import Path
 
 from nestling.errors import NestlingError
 from nestling.pipeline.state import RUN_LOG, pid_alive, read_json, read_progress, read_state
-from nestling.progress import format_duration
+from nestling.progress import format_bytes, format_duration
 
 STALLED_S = 600.0
 
@@ -67,6 +67,11 @@ def format_status(run_dir: Path) -> str:
         lines.append(f"{r['stage']:<11}{r['status']:<13}{progress:<28}{tps:>10}  {elapsed:>9}  {eta:>9}")
         if r.get("error") and r["status"] in ("failed", "interrupted"):
             lines.append(f"{'':<11}error: {r['error'][:300]}")
+    est = read_json(Path(run_dir) / "dry-run" / "estimate.json")
+    if est:
+        total_s = sum(float(e.get("seconds") or 0.0) for e in est.get("stages", []))
+        lines.append(f"dry-run estimate of the full run: {format_bytes(est.get('need_bytes', 0))} disk, "
+                     f"{format_duration(total_s)}")
     log = Path(run_dir) / RUN_LOG
     if log.exists():
         age = time.time() - log.stat().st_mtime
