@@ -91,6 +91,8 @@ def capture(data_dir: str | Path, target: str | Path, out: str | Path, settings:
     """Capture every split of `data_dir` into `out`; returns the manifest. Resumes an interrupted run."""
     settings = resolve(settings or CaptureSettings())
     data_dir, out = Path(data_dir), Path(out)
+    if not data_dir.exists():  # cheapest check first: before the target is even resolved
+        raise NestlingError(f"data folder {data_dir} does not exist; create it with `nestling data INPUT --target MODEL --out {data_dir}`")
     target_dir = resolve_target(target)
     config = load_config(target_dir)
     text_cfg = getattr(config, "text_config", None) or config

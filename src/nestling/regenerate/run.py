@@ -218,7 +218,7 @@ def regenerate(input: str | Path, target: str | Path, out: str | Path,
                 state[k] += getattr(res, k)
             state["seconds"] += time.monotonic() - t0
             atomic_write_json(state_path, state)  # the commit: files up to these sizes are final
-            progress.update(len(chunk), force=True)
+            progress.update(len(chunk))
     finally:
         if engine is not None:
             engine.close()
