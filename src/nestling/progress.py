@@ -7,6 +7,7 @@ or bars; every line is complete and self-describing.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,12 +38,17 @@ def log(msg: str, stream: TextIO | None = None) -> None:
     print(msg, file=stream, flush=True)
 
 
+PROGRESS_ENV = "NESTLING_PROGRESS_FILE"
+
+
 @dataclass
 class Progress:
     """Counts work done against a total and reports rate and ETA at most every `interval` s.
 
     `state_file`, when given, receives the latest numbers as JSON so that `nestling status`
-    can show them from another process.
+    can show them from another process. When not given it defaults to `$NESTLING_PROGRESS_FILE`:
+    `nestling run` sets that per stage (RUN_DIR/state/<stage>.progress.json), so stages need no
+    knowledge of the run folder.
     """
 
     desc: str
@@ -56,6 +62,10 @@ class Progress:
     extra: dict = field(default_factory=dict)
     _start: float = field(default_factory=time.monotonic)
     _last: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.state_file is None and os.environ.get(PROGRESS_ENV):
+            self.state_file = Path(os.environ[PROGRESS_ENV])
 
     def update(self, n: int = 1, tokens: int = 0, force: bool = False, **extra: object) -> None:
         self.done += n
@@ -100,6 +110,8 @@ class Progress:
                 "elapsed_s": elapsed, "eta_s": None if not self.total else self.eta(),
                 "updated": time.time(), **{k: v for k, v in self.extra.items() if isinstance(v, (int, float, str))},
             }
+            self.state_file = Path(self.state_file)
+            self.state_file.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.state_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(state))
             tmp.replace(self.state_file)

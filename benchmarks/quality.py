@@ -1,0 +1,206 @@
+"""Draft quality: acceptance length of a SmolLM2-135M-Instruct EAGLE-3 draft vs vLLM's ngram speculation.
+
+    python benchmarks/quality.py --budget small [--device cuda] [--out bench-quality]
+    python benchmarks/quality.py --budget full --device cuda
+
+Data: the ShareGPT file from the package index. The last `--heldout` conversations (first user turn
+each) are the evaluation prompts and are never trained on. `small` trains on the first 2,000 other
+conversations; `full` on as many of them as a 64 GB capture store holds (SmolLM2 stores
+4 x 576 x 2 + 5 = 4,613 bytes per token in bf16). Max length 1024, a fixed training budget.
+
+Reported: acceptance length (mean tokens per target forward = 1 + accepted / drafts) at each K, greedy,
+from the reference decoder and vLLM, and vLLM's own ngram speculation on the same prompts (the bar:
+about 2.65 at K = 3 for SmolLM2 on chat prompts); plus the wall time of each pipeline stage.
+Prints a Markdown table and writes OUT/quality.json. A benchmark, not a test: the lead runs the budgets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BUDGETS = {
+    # conversations for training (None = all not held out, capped by the disk budget), training epochs
+    "small": {"conversations": 2000, "epochs": 2.0},
+    "full": {"conversations": None, "epochs": 2.0},
+}
+DISK_BUDGET = 64 * 10**9
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+         "bard": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def split_sharegpt(out: Path, n_heldout: int, n_train: int | None) -> tuple[Path, Path, int]:
+    """train.json (ShareGPT list) and heldout.jsonl (first user turn of each held-out conversation)."""
+    from nestling.assets import sharegpt_json
+    from nestling.data.readers import read_input
+
+    records, _ = read_input(sharegpt_json())
+    good = [r.data for r in records if r.data and isinstance(r.data.get("conversations"), list)]
+    heldout, pool = good[-n_heldout:], good[:-n_heldout]
+    train = pool if n_train is None else pool[:n_train]
+    out.mkdir(parents=True, exist_ok=True)
+    train_path, prompts_path = out / "train.json", out / "heldout.jsonl"
+    if not train_path.exists():
+        train_path.write_text(json.dumps(train))
+    lines = []
+    for conv in heldout:
+        first = next((t for t in conv["conversations"] if ROLES.get(str(t.get("from")).lower()) == "user"
+                      and str(t.get("value", "")).strip()), None)
+        if first:
+            lines.append(json.dumps({"messages": [{"role": "user", "content": first["value"]}]}))
+    prompts_path.write_text("\n".join(lines) + "\n")
+    return train_path, prompts_path, len(train)
+
+
+def ngram_worker(spec_path: str, result_path: str) -> None:
+    """Subprocess: vLLM's ngram speculation over the prompts; writes spec-decode counters."""
+    from vllm import LLM, SamplingParams
+
+    from nestling.evaluate.vllm_worker import _generate, _metrics
+
+    spec = json.loads(Path(spec_path).read_text())
+    llm = LLM(model=spec["target"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], enforce_eager=True,
+              seed=0, disable_log_stats=False, speculative_config={
+                  "method": "ngram", "num_speculative_tokens": spec["k"],
+                  "prompt_lookup_max": spec["prompt_lookup_max"], "prompt_lookup_min": spec["prompt_lookup_min"]})
+    params = SamplingParams(max_tokens=spec["max_new_tokens"], temperature=0.0)
+    before = _metrics(llm)
+    outs, dt = _generate(llm, spec["prompts"], params)
+    after = _metrics(llm)
+    diff = {k: ([a - b for a, b in zip(v, before.get(k, [0.0] * len(v)))] if isinstance(v, list)
+                else v - before.get(k, 0.0)) for k, v in after.items()}
+    Path(result_path).write_text(json.dumps({"metrics": diff, "seconds": dt, "tokens": sum(map(len, outs))}))
+
+
+def run_ngram(target: str, prompts: list[list[int]], k: int, max_new_tokens: int, dtype: str, work: Path,
+              lookup_max: int, lookup_min: int) -> dict:
+    from nestling.evaluate.vllm_engine import summarize_metrics
+
+    spec, res = work / f"ngram-k{k}.spec.json", work / f"ngram-k{k}.json"
+    spec.write_text(json.dumps({"target": target, "prompts": prompts, "k": k, "max_new_tokens": max_new_tokens,
+                                "dtype": dtype, "max_model_len": 2048, "prompt_lookup_max": lookup_max,
+                                "prompt_lookup_min": lookup_min}))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    proc = subprocess.run([sys.executable, __file__, "--ngram-worker", str(spec), str(res)], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"vLLM ngram run failed:\n{proc.stderr[-4000:]}")
+    r = json.loads(res.read_text())
+    return {**summarize_metrics(r["metrics"], k), "seconds": r["seconds"], "tokens": r["tokens"],
+            "tokens_per_s": r["tokens"] / max(r["seconds"], 1e-9)}
+
+
+def per_forward(r: dict) -> float | None:
+    """Tokens per target forward over *all* steps. vLLM's acceptance length (1 + accepted / drafts)
+    counts only steps that drafted; ngram drafts only when the context repeats, so both are shown."""
+    tokens, accepted = r.get("tokens"), r.get("num_accepted_tokens")
+    if not tokens or accepted is None:
+        return None
+    return tokens / max(tokens - accepted, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budget", choices=sorted(BUDGETS), default="small")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (capture, training, reference decoder)")
+    ap.add_argument("--out", type=Path, default=Path("bench-quality"))
+    ap.add_argument("--k", type=int, nargs="+", default=[3, 5])
+    ap.add_argument("--heldout", type=int, default=100, help="held-out conversations used as prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--epochs", type=float, default=None, help="override the budget's training epochs")
+    ap.add_argument("--steps", type=int, default=None, help="override: optimizer steps instead of epochs")
+    ap.add_argument("--batch-tokens", type=int, default=8192)
+    ap.add_argument("--no-vllm", action="store_true", help="reference decoder only, no ngram bar")
+    ap.add_argument("--prompt-lookup-max", type=int, default=5)
+    ap.add_argument("--prompt-lookup-min", type=int, default=2)
+    ap.add_argument("--ngram-worker", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.ngram_worker:
+        ngram_worker(*args.ngram_worker)
+        return
+
+    from nestling.assets import smollm2_dir
+    from nestling.evaluate.prompts import load_prompts
+    from nestling.evaluate.run import EvalSettings, evaluate
+    from nestling.pipeline import STAGES, load_run_config, run_config
+    from nestling.pipeline.state import read_state
+    from nestling.target.load import load_tokenizer
+
+    budget = BUDGETS[args.budget]
+    out = args.out.absolute() / args.budget
+    target = str(smollm2_dir())
+    bpt = 4 * 576 * 2 + 5
+    train_path, prompts_path, n_train = split_sharegpt(out, args.heldout, budget["conversations"])
+    cuda = args.device.startswith("cuda")
+    train = {"batch_tokens": args.batch_tokens, "device": "cuda" if cuda else "cpu",
+             "dtype": "bfloat16" if cuda else "float32"}
+    train.update({"steps": args.steps} if args.steps else {"epochs": args.epochs or budget["epochs"]})
+    data = {"target": target, "inputs": [str(train_path)], "run_dir": str(out / "run"), "prompts": str(prompts_path),
+            "data": {"max_length": 1024, "held_out": 0.02},
+            "capture": {"dtype": "bfloat16", "device": args.device},
+            "train": train,
+            "eval": {"k": args.k[0], "engine": "reference", "max_new_tokens": args.max_new_tokens,
+                     "device": args.device, "dtype": "float32" if not cuda else "bfloat16"}}
+    config = load_run_config(None, STAGES, base_data=data)
+    if budget["conversations"] is None:  # full: cap the capture store at the disk budget
+        run_config(config, stages=STAGES, until="data")
+        m = json.loads((out / "run" / "data" / "manifest.json").read_text())
+        tokens = sum(v["tokens"] for v in m["splits"].values())
+        if tokens * bpt > DISK_BUDGET:
+            keep = int(n_train * DISK_BUDGET / (tokens * bpt) * 0.97)
+            print(f"[quality] {tokens:,} tokens x {bpt} B = {tokens * bpt / 1e9:.1f} GB > 64 GB: "
+                  f"training on the first {keep:,} conversations", flush=True)
+            data["data"]["limit"] = keep
+            config = load_run_config(None, STAGES, base_data=data)
+    t0 = time.monotonic()
+    run_config(config, stages=STAGES, until="export", header="benchmarks/quality.py")
+    stage_s = {s: (read_state(out / "run", s) or {}).get("wall_s") for s in ("data", "capture", "train", "export")}
+
+    tok = load_tokenizer(target)
+    prompts = load_prompts(prompts_path, tok)
+    rows = []
+    engine = "reference" if args.no_vllm else "both"
+    for k in args.k:
+        t = time.monotonic()
+        rep = evaluate(out / "run" / "export", target, prompts_path, out / f"eval-k{k}",
+                       EvalSettings(k=k, engine=engine, max_new_tokens=args.max_new_tokens, baseline=True,
+                                    device=args.device, dtype="float32" if not cuda else "bfloat16"))
+        stage_s[f"eval k={k}"] = time.monotonic() - t
+        for name, r in rep["engines"].items():
+            rows.append({"method": "eagle3", "engine": name, "k": k, "acceptance_length": r["acceptance_length"],
+                         "tokens_per_forward": per_forward(r), "per_position": r["per_position"],
+                         "tokens_per_s": r.get("tokens_per_s"), "speedup": r.get("speedup")})
+        if not args.no_vllm:
+            t = time.monotonic()
+            r = run_ngram(target, prompts, k, args.max_new_tokens, "float32" if not cuda else "bfloat16", out,
+                          args.prompt_lookup_max, args.prompt_lookup_min)
+            stage_s[f"ngram k={k}"] = time.monotonic() - t
+            rows.append({"method": "ngram", "engine": "vllm", "k": k, "acceptance_length": r["acceptance_length"],
+                         "tokens_per_forward": per_forward(r), "per_position": r["per_position"],
+                         "tokens_per_s": r["tokens_per_s"], "speedup": None})
+    result = {"budget": args.budget, "device": args.device, "train_conversations": n_train,
+              "heldout_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "rows": rows,
+              "stage_seconds": stage_s, "total_seconds": time.monotonic() - t0,
+              "train_manifest": json.loads((out / "run" / "train" / "manifest.json").read_text()).get("final_eval")}
+    (out / "quality.json").write_text(json.dumps(result, indent=2))
+    print(f"\n## quality ({args.budget}: {n_train:,} training conversations, {len(prompts)} held-out prompts, "
+          f"greedy, {args.max_new_tokens} new tokens, {args.device})\n")
+    print("| method | engine | K | acceptance length | tokens/forward | per position | tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        tpf = f"{r['tokens_per_forward']:.3f}" if r.get("tokens_per_forward") else "-"
+        print(f"| {r['method']} | {r['engine']} | {r['k']} | {r['acceptance_length']:.3f} | {tpf} | "
+              f"{', '.join(f'{p:.2f}' for p in r['per_position'])} | {r['tokens_per_s'] or 0:.1f} |")
+    print("\n| stage | wall time (s) |\n|---|---|")
+    for s, v in stage_s.items():
+        print(f"| {s} | {v:.1f} |" if v is not None else f"| {s} | - |")
+    print(f"\nwrote {out / 'quality.json'}")
+
+
+if __name__ == "__main__":
+    main()

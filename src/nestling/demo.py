@@ -1,0 +1,101 @@
+"""`nestling demo`: the whole job on the embedded assets, on CPU, in at most 15 minutes on 2 cores.
+
+SmolLM2-135M-Instruct and ShareGPT come from the package index (nestling.assets; never a model hub).
+The config is the package's `configs/demo.yaml` (also in examples/), run by the ordinary pipeline,
+so the demo is exactly what `nestling run` does, with a small budget.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from importlib import resources
+from pathlib import Path
+from typing import Any, Sequence
+
+from nestling.config import load_yaml
+from nestling.errors import NestlingError
+from nestling.manifest import MANIFEST
+
+
+def demo_config_path() -> Path:
+    return Path(str(resources.files("nestling") / "configs" / "demo.yaml"))
+
+
+def demo_config(out: Path, overrides: Sequence[str] = ()):
+    """The demo RunConfig with `run_dir` = out (relative to the current directory)."""
+    from nestling.pipeline import STAGES, load_run_config
+
+    data = load_yaml(demo_config_path())
+    data["run_dir"] = str(Path(out).absolute())
+    return load_run_config(None, STAGES, list(overrides), base_data=data)
+
+
+def find_report(eval_dir: Path) -> dict:
+    """The eval stage's JSON report (acceptance length per engine, per-position rates, plot path)."""
+    for name in ("report.json", "eval.json", MANIFEST):
+        p = Path(eval_dir) / name
+        if p.exists():
+            return json.loads(p.read_text())
+    raise NestlingError(f"{eval_dir} holds no evaluation report")
+
+
+def _acceptance(report: dict) -> dict[str, Any]:
+    """engine -> acceptance length, from either a flat or a per-engine report."""
+    out: dict[str, Any] = {}
+    engines = report.get("engines") or report.get("results") or {}
+    if isinstance(engines, dict):
+        for name, r in engines.items():
+            if isinstance(r, dict) and r.get("acceptance_length") is not None:
+                out[name] = r["acceptance_length"]
+    elif isinstance(engines, list):
+        for r in engines:
+            if isinstance(r, dict) and r.get("acceptance_length") is not None:
+                out[str(r.get("engine", len(out)))] = r["acceptance_length"]
+    if not out and report.get("acceptance_length") is not None:
+        out[str(report.get("engine", "reference"))] = report["acceptance_length"]
+    return out
+
+
+def serve_command(target: str, draft: Path, k: int) -> str:
+    spec = json.dumps({"method": "eagle3", "model": str(draft), "num_speculative_tokens": k})
+    return (f"python -m vllm.entrypoints.openai.api_server --model {shlex.quote(str(target))} "
+            f"--speculative-config {shlex.quote(spec)}")
+
+
+def summary(run_dir: Path, target: str, k: int) -> str:
+    """What the demo prints: acceptance length per engine, the plot, the draft, the serving command."""
+    report = find_report(run_dir / "eval")
+    k = int(report.get("k", k))
+    acc = _acceptance(report)
+    plot = report.get("plot") or next((str(p) for p in sorted((run_dir / "eval").glob("*.png"))), None)
+    lines = [""]
+    for engine, value in acc.items():
+        lines.append(f"acceptance length ({engine}, K={k}): {value:.3f}")
+    if plot:
+        lines.append(f"per-position acceptance plot: {plot}")
+    lines.append(f"draft folder: {run_dir / 'export'}")
+    lines.append("serve the target with it in vLLM (GPU: `vllm serve TARGET --speculative-config ...`):")
+    lines.append(f"  {serve_command(target, run_dir / 'export', k)}")
+    return "\n".join(lines)
+
+
+def demo(out: Path = Path("nestling-demo"), overrides: Sequence[str] = (), dry_run: bool = False) -> str | None:
+    from nestling.pipeline import STAGES
+    from nestling.pipeline.dryrun import dry_run as _dry
+    from nestling.pipeline.runner import resolve_paths, run
+
+    from nestling.pipeline.stages import _vllm_installed
+
+    # The acceptance length from vLLM too, when it is installed (the YAML stays valid without it).
+    if _vllm_installed() and not any(o.startswith("eval.engine=") for o in overrides):
+        overrides = ["eval.engine=both", *overrides]
+    config = demo_config(out, overrides)
+    if dry_run:
+        _dry(config, stages=STAGES)
+        return None
+    run(config, stages=STAGES, header="nestling demo")
+    target, _, _ = resolve_paths(config)
+    text = summary(Path(config.run_dir), target, int(config.settings["eval"].k))
+    print(text, flush=True)
+    return text

@@ -1,0 +1,223 @@
+"""`nestling run`: chain the stages in one run folder, skipping what is done and resuming what is not.
+
+Each stage's key is a fingerprint of its settings, of the run-level inputs it reads (target weights,
+input files, eval prompts) and of the previous stage's key. So:
+- a stage marked complete with the same key is skipped;
+- a stage that was interrupted (state `running`/`failed`, same key) is called again on its folder,
+  and resumes there by its own means (capture keeps finished shards, train its checkpoints);
+- a changed setting changes that stage's key and, through the chain, every later key: those stages
+  start again from an empty folder.
+`force` redoes the named stages from scratch; `from_stage` redoes that stage and all after it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from nestling.config import to_dict
+from nestling.errors import NestlingError
+from nestling.manifest import FORMAT_VERSION, atomic_write_json, hash_bytes, hash_files, hash_json
+from nestling.pipeline.config import RunConfig, resolve_builtin
+from nestling.pipeline.stages import STAGES, Stage, StageContext
+from nestling.pipeline.state import (RUN_LOG, progress_path, read_progress, read_state, state_path, tee_stderr,
+                                     write_state)
+from nestling.progress import PROGRESS_ENV, format_duration, log
+
+# Settings that change how fast or how loudly a stage runs, never what it produces.
+NOT_IN_KEY = frozenset({"progress_interval", "ignore_disk_check", "queue_size", "log_interval", "log_every",
+                        "num_workers", "workers"})
+RUN_FILE = "run.json"
+LOCK = ".lock"
+
+
+@dataclass
+class StageOutcome:
+    name: str
+    action: str  # "skipped" | "ran" | "resumed"
+    key: str
+    out: Path
+    wall_s: float = 0.0
+    result: Any = None
+
+
+def enabled_stages(config: RunConfig, stages: Sequence[Stage]) -> list[Stage]:
+    return [s for s in stages if config.settings.get(s.name) is not None]
+
+
+def check_stage_names(names: Sequence[str], stages: Sequence[Stage], flag: str) -> None:
+    valid = [s.name for s in stages]
+    for n in names:
+        if n not in valid:
+            raise NestlingError(f"{flag} {n!r} is not a stage; stages: {', '.join(valid)}")
+
+
+def resolve_paths(config: RunConfig) -> tuple[str, list[str], str | None]:
+    """Local paths of the target, inputs and prompts (built-in assets fetched), checked to exist."""
+    from nestling.target.load import resolve_target
+
+    target = str(resolve_target(resolve_builtin(config.target)))
+    inputs = [resolve_builtin(p) for p in config.inputs]
+    for p in inputs:
+        if not Path(p).exists():
+            raise NestlingError(f"input file {p} does not exist (inputs: in the run config)")
+    prompts = resolve_builtin(config.prompts) if config.prompts else None
+    if prompts and not Path(prompts).exists():
+        raise NestlingError(f"prompts file {prompts} does not exist")
+    return target, inputs, prompts
+
+
+def run_fingerprints(target: str, inputs: list[str], prompts: str | None) -> dict[str, str]:
+    from nestling.target.load import target_fingerprint
+
+    files = [Path(p) for p in inputs]
+    listed = [f for p in files for f in (sorted(x for x in p.rglob("*") if x.is_file()) if p.is_dir() else [p])]
+    return {
+        "target": target_fingerprint(target),
+        "inputs": hash_bytes(*(f"{p}:{hash_files([p])}".encode() for p in listed)),
+        "prompts": hash_files([Path(prompts)]) if prompts and Path(prompts).is_file() else str(prompts),
+    }
+
+
+def stage_key(stage: Stage, settings: Any, previous: str, fingerprints: dict[str, str]) -> str:
+    s = {k: v for k, v in to_dict(settings).items() if k not in NOT_IN_KEY}
+    return hash_json({"stage": stage.name, "format": FORMAT_VERSION, "settings": s, "previous": previous,
+                      "uses": {u: fingerprints[u] for u in stage.uses}})
+
+
+def _wipe(run_dir: Path, out: Path, stage: str) -> None:
+    if out.exists():
+        if out.resolve().parent != run_dir.resolve():
+            raise NestlingError(f"refusing to delete {out}: not a stage folder of {run_dir}")
+        shutil.rmtree(out)
+    progress_path(run_dir, stage).unlink(missing_ok=True)
+
+
+def run(config: RunConfig, *, stages: Sequence[Stage] = STAGES, from_stage: str | None = None,
+        force: Sequence[str] = (), until: str | None = None, dry_run: bool = False,
+        header: str = "nestling run", after_stage: Callable[[StageOutcome], None] | None = None) -> list[StageOutcome]:
+    """Run (or continue) the pipeline of `config` in `config.run_dir`; returns what each stage did.
+
+    `after_stage` is called after each stage (the dry run checks the disk as soon as capture is measured).
+    """
+    check_stage_names([from_stage] if from_stage else [], stages, "--from")
+    check_stage_names(list(force), stages, "--force")
+    check_stage_names([until] if until else [], stages, "--until")
+    active = enabled_stages(config, stages)
+    names = [s.name for s in active]
+    for flag, n in (("--from", from_stage), ("--until", until), *(("--force", f) for f in force)):
+        if n and n not in names:
+            raise NestlingError(f"{flag} {n}: that stage is disabled in this config (add a '{n}:' section)")
+    target, inputs, prompts = resolve_paths(config)
+    fingerprints = run_fingerprints(target, inputs, prompts)
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with run_lock(run_dir):
+        return _run(config, active, names, stages, from_stage, force, until, dry_run, header, after_stage,
+                    target, inputs, prompts, fingerprints, run_dir)
+
+
+@contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """One `nestling run` per run folder: two would write the same stage folders. The OS drops the lock
+    when the process dies, so a killed run never leaves a stale lock."""
+    import fcntl
+
+    with open(run_dir / LOCK, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            raise NestlingError(f"another nestling run is using {run_dir} ({f.read().strip() or 'unknown process'}); "
+                                f"wait for it, or watch it with `nestling status {run_dir}`") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _run(config, active, names, stages, from_stage, force, until, dry_run, header, after_stage,
+         target, inputs, prompts, fingerprints, run_dir) -> list[StageOutcome]:
+    atomic_write_json(run_dir / RUN_FILE, {"stages": names, "config": config.to_dict(), "target": target,
+                                           "inputs": inputs, "fingerprints": fingerprints})
+    redo_from = names.index(from_stage) if from_stage else len(names)
+    outcomes: list[StageOutcome] = []
+    previous = ""
+    with tee_stderr(run_dir / RUN_LOG, f"{header} {run_dir}"):
+        t_run = time.monotonic()
+        for i, stage in enumerate(active):
+            settings = config.settings[stage.name]
+            key = stage_key(stage, settings, previous, fingerprints)
+            previous = key
+            out = run_dir / stage.name
+            state = read_state(run_dir, stage.name)
+            redo = stage.name in force or i >= redo_from
+            same = state is not None and state.get("key") == key
+            if not redo and same and state.get("status") == "complete" and out.exists():
+                log(f"[run] {stage.name}: complete (key {key}), skipped")
+                outcomes.append(StageOutcome(stage.name, "skipped", key, out, state.get("wall_s", 0.0)))
+            else:
+                action = "resumed" if same and not redo and out.exists() else "ran"
+                if action == "ran":
+                    why = ("forced" if redo else "settings or inputs changed" if state else "first run")
+                    _wipe(run_dir, out, stage.name)
+                    log(f"[run] {stage.name}: starting ({why}; key {key})")
+                else:
+                    log(f"[run] {stage.name}: resuming the interrupted run in {out} (key {key})")
+                outcomes.append(_run_stage(stage, settings, key, action, run_dir, out, target, inputs, prompts,
+                                           tuple(names), dry_run, state))
+            if after_stage is not None:
+                after_stage(outcomes[-1])
+            if stage.name == until:
+                log(f"[run] stopping after {until} (--until)")
+                break
+        log(f"[run] done in {format_duration(time.monotonic() - t_run)}: "
+            + ", ".join(f"{o.name} {o.action}" for o in outcomes))
+    return outcomes
+
+
+def _run_stage(stage: Stage, settings: Any, key: str, action: str, run_dir: Path, out: Path, target: str,
+               inputs: list[str], prompts: str | None, names: tuple[str, ...], dry_run: bool,
+               old: dict | None) -> StageOutcome:
+    started = time.time()
+    # Wall time accumulates over resumed attempts so estimates and status see the whole cost.
+    spent = 0.0
+    if old and action == "resumed":
+        spent = float(old.get("wall_s", 0.0))
+        if old.get("status") == "running" and old.get("started"):  # killed: count up to its last sign of life
+            last = max(old.get("updated", 0.0), (read_progress(run_dir, stage.name) or {}).get("updated", 0.0))
+            spent += max(last - old["started"], 0.0)
+    write_state(run_dir, stage.name, key=key, status="running", started=started, wall_s=spent)
+    ctx = StageContext(stage.name, settings, out, run_dir, target, inputs, prompts, names, dry_run)
+    previous_env = os.environ.get(PROGRESS_ENV)
+    os.environ[PROGRESS_ENV] = str(progress_path(run_dir, stage.name))
+    t0 = time.monotonic()
+    try:
+        result = stage.run(ctx)
+    except BaseException as e:
+        status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+        write_state(run_dir, stage.name, key=key, status=status, started=started,
+                    wall_s=spent + time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        if previous_env is None:
+            os.environ.pop(PROGRESS_ENV, None)
+        else:
+            os.environ[PROGRESS_ENV] = previous_env
+    wall = spent + time.monotonic() - t0
+    write_state(run_dir, stage.name, key=key, status="complete", started=started, finished=time.time(), wall_s=wall)
+    log(f"[run] {stage.name}: {action} in {format_duration(wall)} -> {out}")
+    return StageOutcome(stage.name, action, key, out, wall, result)
+
+
+__all__ = ["run", "StageOutcome", "stage_key", "state_path"]

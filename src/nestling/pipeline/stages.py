@@ -1,0 +1,159 @@
+"""The stage table: what `nestling run` chains, in order, and how each stage is called.
+
+A stage is a name, a settings dataclass, and a function of a `StageContext`. The pipeline knows
+nothing else about it, so tests pass their own small tables and the real stages stay independent.
+Settings classes are named as "module:Class" and imported only when used (no torch at `--help`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from nestling.errors import NestlingError
+
+
+@dataclass
+class StageContext:
+    """What a stage function gets: its settings, its output folder, and the run around it."""
+
+    name: str
+    settings: Any
+    out: Path
+    run_dir: Path
+    target: str  # resolved local folder
+    inputs: list[str]  # the run's input files (resolved)
+    prompts: str | None
+    enabled: tuple[str, ...]  # the stages this run chains
+    dry_run: bool = False
+
+    def dir(self, stage: str) -> Path:
+        return self.run_dir / stage
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    settings: str | type  # "module:Class", or the class itself
+    run: Callable[[StageContext], Any]
+    uses: tuple[str, ...] = ()  # run-level inputs in this stage's key: "target", "inputs", "prompts"
+    optional: bool = False  # disabled unless the config has a section for it
+    dry: Callable[[Any], Any] | None = None  # settings -> the settings of the dry run (two samples)
+
+    def settings_cls(self) -> type:
+        if isinstance(self.settings, type):
+            return self.settings
+        errors = []
+        for spec in self.settings.split("|"):  # alternatives: where the stage keeps its settings
+            module, attr = spec.split(":")
+            try:
+                return getattr(importlib.import_module(module), attr)
+            except (ModuleNotFoundError, AttributeError) as e:
+                errors.append(str(e))
+        raise NestlingError(f"stage '{self.name}' is not available in this nestling build ({'; '.join(errors)})")
+
+
+def _resolve(spec: str) -> Callable:
+    module, attr = spec.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _call(spec: str, *args: Any) -> Any:
+    return _resolve(spec)(*args)
+
+
+def replace(settings: Any, **changes: Any) -> Any:
+    """dataclasses.replace with only the fields the settings class has (stages evolve independently)."""
+    names = {f.name for f in dataclasses.fields(settings)}
+    return dataclasses.replace(settings, **{k: v for k, v in changes.items() if k in names})
+
+
+# ---- the real stages --------------------------------------------------------------------------
+
+def _regenerate(ctx: StageContext) -> Any:
+    if len(ctx.inputs) != 1:
+        raise NestlingError(f"regenerate reads one input file; the config lists {len(ctx.inputs)} "
+                            "(merge them into one JSONL, or drop the regenerate: section)")
+    return _call("nestling.regenerate:regenerate", ctx.inputs[0], ctx.target, ctx.out, ctx.settings)
+
+
+def data_inputs(ctx: StageContext) -> list[str]:
+    """The data stage reads the regenerated conversations when regenerate runs, else the inputs."""
+    if "regenerate" not in ctx.enabled:
+        return list(ctx.inputs)
+    import json
+
+    out = ctx.dir("regenerate")
+    manifest = json.loads((out / "manifest.json").read_text())
+    messages = out / (manifest.get("files") or {}).get("messages", "messages.jsonl")
+    if not messages.exists():
+        raise NestlingError(f"{out} holds no regenerated conversations ({messages.name} is missing)")
+    return [str(messages)]
+
+
+def _data(ctx: StageContext) -> Any:
+    return _call("nestling.data.prepare:prepare_data", data_inputs(ctx), ctx.target, ctx.out, ctx.settings)
+
+
+def _capture(ctx: StageContext) -> Any:
+    return _call("nestling.capture.run:capture", ctx.dir("data"), ctx.target, ctx.out, ctx.settings)
+
+
+def _train(ctx: StageContext) -> Any:
+    import inspect
+
+    fn = _resolve("nestling.train.loop:train")
+    # The pipeline wipes the folder when the key changed, so whatever checkpoint is there is ours.
+    kw = {"resume": True} if "resume" in inspect.signature(fn).parameters else {}
+    return fn(ctx.dir("capture"), ctx.out, ctx.settings, **kw)
+
+
+def _export(ctx: StageContext) -> Any:
+    return _call("nestling.export.eagle3:export", ctx.dir("train"), ctx.out, ctx.settings)
+
+
+def _eval(ctx: StageContext) -> Any:
+    prompts = ctx.prompts or str(ctx.dir("data"))
+    return _call("nestling.evaluate.run:evaluate", ctx.dir("export"), ctx.target, prompts, ctx.out, ctx.settings)
+
+
+def _vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+# Dry-run settings: two samples, one batch, one step, one short generation per engine.
+def _dry_regenerate(s: Any) -> Any:
+    return replace(s, limit=2, max_new_tokens=16, max_turns=1)
+
+
+def _dry_data(s: Any) -> Any:
+    # Both samples train; the dry eval uses built-in prompts (or the config's), so no split can be empty.
+    return replace(s, limit=2, held_out=0.0)
+
+
+def _dry_capture(s: Any) -> Any:
+    return replace(s, ignore_disk_check=True)
+
+
+def _dry_train(s: Any) -> Any:
+    return replace(s, steps=1, warmup_steps=0, checkpoint_every=1, eval_batches=1)
+
+
+def _dry_eval(s: Any) -> Any:
+    # vLLM, when installed, must load the exported draft: that is the incompatibility users hit last.
+    return replace(s, max_prompts=1, max_new_tokens=8, engine="both" if _vllm_installed() else "reference",
+                   baseline=False)
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("regenerate", "nestling.regenerate:RegenerateSettings|nestling.regenerate.settings:RegenerateSettings",
+          _regenerate, uses=("target", "inputs"), optional=True, dry=_dry_regenerate),
+    Stage("data", "nestling.data.settings:DataSettings", _data, uses=("target", "inputs"), dry=_dry_data),
+    Stage("capture", "nestling.capture.settings:CaptureSettings", _capture, uses=("target",), dry=_dry_capture),
+    Stage("train", "nestling.train.settings:TrainSettings", _train, uses=("target",), dry=_dry_train),
+    Stage("export", "nestling.export.eagle3:ExportSettings|nestling.export.settings:ExportSettings", _export, uses=("target",)),
+    Stage("eval", "nestling.evaluate.run:EvalSettings|nestling.evaluate.settings:EvalSettings", _eval, uses=("target", "prompts"), dry=_dry_eval),
+)
