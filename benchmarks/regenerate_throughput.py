@@ -43,7 +43,7 @@ def _server(target: Path, args, log: Path) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", str(args.max_model_len), "--dtype", args.dtype]
+           "--port", str(port), "--max-model-len", str(args.max_model_len), "--dtype", args.dtype] + (["--enforce-eager"] if args.enforce_eager else [])
     p = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     while True:
@@ -65,6 +65,8 @@ def main() -> None:
     ap.add_argument("--target", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (hf engine device; vLLM picks its platform)")
     ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="vLLM without torch.compile / CUDA graphs (much faster start on a loaded CPU; slower steps)")
     ap.add_argument("--json", type=Path, default=Path("regenerate_throughput.json"))
     args = ap.parse_args()
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
@@ -80,7 +82,8 @@ def main() -> None:
     for engine in args.engines.split(","):
         s = RegenerateSettings(engine=engine, max_new_tokens=args.max_new_tokens, max_turns=1, chunk_size=args.n,
                                max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
-                               hf_batch_size=8, concurrency=args.n)
+                               hf_batch_size=8, concurrency=args.n,
+                               vllm={"enforce_eager": True} if args.enforce_eager else {})
         server = None
         t0 = time.monotonic()
         if engine == "openai":
