@@ -1,0 +1,109 @@
+"""The transformers backend: hooks on the decoder layers of the base model, no LM head.
+
+Why hooks rather than `output_hidden_states`: we keep only the requested ids (not L+1 tensors
+per batch), gather the real (unpadded) tokens straight into one packed buffer, and can stop the
+forward after the last needed layer. Right padding with an attention mask keeps every sample's
+states equal to a batch-of-one forward: causal attention never looks right, so padding is invisible.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from nestling.capture.backend import Backend
+from nestling.capture.settings import CaptureSettings
+from nestling.errors import NestlingError
+
+
+class _Stop(Exception):
+    """Raised from a hook once the last needed state is captured: the remaining layers never run."""
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise NestlingError(f"device {device!r} was asked for but torch sees no CUDA GPU; use --device cpu")
+    return device
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack without the LM head (LlamaModel inside LlamaForCausalLM, etc.)."""
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "layers"):
+        base = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if base is None or not hasattr(base, "layers") or not hasattr(base, "norm"):
+        raise NestlingError(f"the hf backend cannot find decoder layers and a final norm in {type(model).__name__}")
+    return base
+
+
+class HFBackend(Backend):
+    def __init__(self, target: Path, layer_ids: list[int], settings: CaptureSettings, model=None):
+        from nestling.target.load import load_model
+
+        self.layer_ids = list(layer_ids)
+        self.dtype = getattr(torch, settings.dtype)
+        if model is None:
+            device = resolve_device(settings.device) if not settings.device_map else "cpu"
+            model = load_model(target, dtype=settings.dtype, device=device, device_map=settings.device_map)
+        self.model = model
+        self.base = base_model(model)
+        self.hidden_size = int(self.base.config.hidden_size)
+        self.n_layers = len(self.base.layers)
+        self.device = self.base.get_input_embeddings().weight.device
+        self._out: torch.Tensor | None = None
+        self._idx: torch.Tensor | None = None
+        self._handles = []
+        for j, lid in enumerate(self.layer_ids):
+            stop = lid == self.layer_ids[-1] and lid < self.n_layers
+            if lid < self.n_layers:  # id k = input of decoder layer k
+                h = self.base.layers[lid].register_forward_pre_hook(self._pre_hook(j, stop), with_kwargs=True)
+            else:  # id L = output of the final norm
+                h = self.base.norm.register_forward_hook(self._post_hook(j))
+            self._handles.append(h)
+
+    def _store(self, j: int, hidden: torch.Tensor) -> None:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        self._out[:, j] = flat.index_select(0, self._idx.to(flat.device)).to(self._out.device)
+
+    def _pre_hook(self, j: int, stop: bool):
+        def hook(module, args, kwargs):
+            self._store(j, args[0] if args else kwargs["hidden_states"])
+            if stop:
+                raise _Stop
+        return hook
+
+    def _post_hook(self, j: int):
+        def hook(module, args, output):
+            self._store(j, output[0] if isinstance(output, tuple) else output)
+        return hook
+
+    @torch.inference_mode()
+    def capture(self, seqs: list[list[int]]) -> torch.Tensor:
+        lengths = [len(s) for s in seqs]
+        if min(lengths) < 1:
+            raise NestlingError("cannot capture an empty sample")
+        B, T = len(seqs), max(lengths)
+        ids = torch.zeros(B, T, dtype=torch.long)
+        mask = torch.zeros(B, T, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+            mask[i, : len(s)] = 1
+        ids = ids.to(self.device)
+        self._idx = mask.flatten().nonzero().squeeze(1).to(self.device)
+        self._out = torch.empty(sum(lengths), len(self.layer_ids), self.hidden_size, dtype=self.dtype, device=self.device)
+        attn = None if min(lengths) == T else mask.to(self.device)
+        try:
+            self.base(input_ids=ids, attention_mask=attn, use_cache=False)
+        except _Stop:
+            pass
+        out, self._out, self._idx = self._out, None, None
+        return out
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.model = self.base = None

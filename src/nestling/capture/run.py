@@ -1,0 +1,174 @@
+"""`nestling capture`: run the target prefill-only over a data folder and store the states it needs.
+
+Order of work, chosen so that mistakes cost seconds: check the data folder, the tokenizer
+fingerprint, the layer ids (config only) and the disk before loading any weights; then plan the
+shards (a pure function of inputs and settings), skip those already complete, and stream the rest.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from nestling.capture.backend import make_backend
+from nestling.capture.settings import CaptureSettings, parse_size
+from nestling.capture.store import (ShardPlan, ShardWriter, batches, bytes_per_token, plan_shards, shard_key,
+                                    shard_name, write_index)
+from nestling.config import to_dict
+from nestling.data.dataset import SPLITS, Sample, load_samples, split_files
+from nestling.errors import NestlingError
+from nestling.manifest import MANIFEST, hash_json, read_manifest, write_manifest
+from nestling.progress import Progress, format_bytes, log
+from nestling.target.layers import default_capture_layers, num_layers, validate_layer_ids
+from nestling.target.load import load_config, load_tokenizer, resolve_target, target_fingerprint, tokenizer_fingerprint
+
+# Settings that change the bytes of the store (device does not: it changes speed, not meaning).
+RESULT_KEYS = ("backend", "layers", "dtype", "token_budget", "shard_size")
+
+
+def _to_host(h: torch.Tensor):
+    """Start the device-to-host copy without waiting for it; the writer waits on the event."""
+    if h.device.type != "cuda":
+        return h, None
+    host = torch.empty(h.shape, dtype=h.dtype, pin_memory=True)
+    host.copy_(h, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+def _load_data(data_dir: Path, tok_fp: str, vocab_size: int, max_pos: int | None) -> tuple[dict, dict[str, list[Sample]]]:
+    if not data_dir.exists():
+        raise NestlingError(f"data folder {data_dir} does not exist; create it with `nestling data INPUT --target MODEL --out {data_dir}`")
+    manifest = read_manifest(data_dir, "data")
+    data_tok = (manifest.get("inputs") or {}).get("tokenizer")
+    if data_tok != tok_fp:
+        raise NestlingError(
+            f"{data_dir} was tokenized with another tokenizer (fingerprint {data_tok}) than the target's ({tok_fp}); "
+            f"its token ids would mean different text. Run `nestling data` again with this --target."
+        )
+    out: dict[str, list[Sample]] = {}
+    for split in SPLITS:
+        if not split_files(data_dir, split):
+            continue
+        samples = load_samples(data_dir, split)
+        for s in samples:
+            if not s.input_ids or len(s.input_ids) != len(s.loss_mask):
+                raise NestlingError(f"{data_dir}: sample {s.sample_id} is empty or its loss_mask length differs from its input_ids")
+            if max(s.input_ids) >= vocab_size or min(s.input_ids) < 0:
+                raise NestlingError(f"{data_dir}: sample {s.sample_id} holds token ids outside the target's vocabulary (size {vocab_size})")
+            if max_pos and len(s.input_ids) > max_pos:
+                raise NestlingError(
+                    f"{data_dir}: sample {s.sample_id} has {len(s.input_ids)} tokens, more than the target's "
+                    f"max_position_embeddings {max_pos}; run `nestling data` with --max-length {max_pos}")
+        if samples:
+            out[split] = samples
+    if not out:
+        raise NestlingError(f"{data_dir} holds no samples in any split ({', '.join(SPLITS)})")
+    return manifest, out
+
+
+def _free_bytes(path: Path) -> int:
+    p = Path(path)
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def capture(data_dir: str | Path, target: str | Path, out: str | Path, settings: CaptureSettings | None = None) -> dict:
+    """Capture every split of `data_dir` into `out`; returns the manifest. Resumes an interrupted run."""
+    settings = settings or CaptureSettings()
+    data_dir, out = Path(data_dir), Path(out)
+    target_dir = resolve_target(target)
+    config = load_config(target_dir)
+    text_cfg = getattr(config, "text_config", None) or config
+    L = num_layers(config)
+    layer_ids = validate_layer_ids(list(settings.layers) if settings.layers else default_capture_layers(L), L)
+    hidden_size, vocab_size = int(text_cfg.hidden_size), int(text_cfg.vocab_size)
+    tok_fp = tokenizer_fingerprint(load_tokenizer(target_dir))
+    data_manifest, splits = _load_data(data_dir, tok_fp, vocab_size, getattr(text_cfg, "max_position_embeddings", None))
+
+    dtype = getattr(torch, settings.dtype)
+    bpt = bytes_per_token(len(layer_ids), hidden_size, dtype)
+    inputs = {"target": target_fingerprint(target_dir), "tokenizer": tok_fp, "data": hash_json(data_manifest)}
+    result = {k: getattr(settings, k) for k in RESULT_KEYS} | {"layers": layer_ids}
+    run_key = hash_json({"inputs": inputs, "result": result, "format": 1})
+
+    plans: dict[str, list[ShardPlan]] = {}
+    todo: dict[str, list[ShardPlan]] = {}
+    for split, samples in splits.items():
+        sdir = out / split
+        sdir.mkdir(parents=True, exist_ok=True)
+        plans[split] = plan_shards(samples, bpt, parse_size(settings.shard_size), run_key)
+        for stale in sdir.glob(".shard-*.tmp"):
+            stale.unlink()  # the shard in flight when a previous run died
+        for f in sdir.glob("shard-*.safetensors"):
+            if int(f.name[6:11]) >= len(plans[split]):
+                f.unlink()
+        todo[split] = [p for p in plans[split] if shard_key(sdir / shard_name(p.index)) != p.key]
+
+    if (out / MANIFEST).exists():
+        old = read_manifest(out, "capture")
+        if old.get("run_key") == run_key and not any(todo.values()):
+            log(f"[capture] {out} already holds this capture (same target, data and settings); nothing to do")
+            return old
+        log(f"[capture] {out} holds an incomplete capture or one of other inputs or settings; redoing what differs")
+        (out / MANIFEST).unlink()
+
+    n_tok = sum(len(s.input_ids) for ss in splits.values() for s in ss)
+    todo_tok = sum(p.tokens for ps in todo.values() for p in ps)
+    need, free = todo_tok * bpt, _free_bytes(out)
+    log(f"[capture] layers {layer_ids} of {L}, {settings.dtype}, hidden {hidden_size}: {format_bytes(bpt)}/token; "
+        f"{n_tok:,} tokens in {', '.join(f'{k} {len(v)}' for k, v in splits.items())} samples = {format_bytes(n_tok * bpt)}; "
+        f"to write now {format_bytes(need)} ({todo_tok:,} tokens), free on {out}: {format_bytes(free)}")
+    if need > free:
+        msg = (f"not enough disk space for the capture: it needs {format_bytes(need)} but {out} has {format_bytes(free)} free. "
+               f"Free space, point --out at a larger disk, capture fewer samples or layers, or pass --ignore-disk-check.")
+        if not settings.ignore_disk_check:
+            raise NestlingError(msg)
+        log(f"[capture] warning: {msg} (continuing: --ignore-disk-check)")
+
+    if todo_tok:
+        _run(todo, target_dir, layer_ids, hidden_size, dtype, out, settings, run_key)
+    stats = {}
+    for split, samples in splits.items():
+        write_index(out / split, samples, plans[split])
+        stats[split] = {"samples": len(samples), "tokens": sum(len(s.input_ids) for s in samples),
+                        "supervised_tokens": sum(sum(s.loss_mask) for s in samples), "shards": len(plans[split])}
+    return write_manifest(
+        out, "capture", to_dict(settings), inputs,
+        run_key=run_key, layer_ids=layer_ids, aux_layer_ids=layer_ids[:-1], final_state="post_norm",
+        dtype=settings.dtype, hidden_size=hidden_size, num_layers=L, vocab_size=vocab_size,
+        bytes_per_token=bpt, target=str(target_dir), data_dir=str(data_dir.resolve()), splits=stats,
+    )
+
+
+def _run(todo: dict[str, list[ShardPlan]], target_dir: Path, layer_ids: list[int], hidden_size: int,
+         dtype: torch.dtype, out: Path, settings: CaptureSettings, run_key: str) -> None:
+    backend = make_backend(settings.backend, target_dir, layer_ids, settings)
+    if backend.hidden_size != hidden_size:
+        raise NestlingError(f"backend reports hidden size {backend.hidden_size}, config says {hidden_size}")
+    log(f"[capture] backend {settings.backend} on {backend.device}")
+    writer = ShardWriter(settings.queue_size)
+    meta = {"layer_ids": ",".join(map(str, layer_ids)), "dtype": settings.dtype, "run_key": run_key}
+    try:
+        for split, plans in todo.items():
+            prog = Progress(f"capture {split}", total=sum(len(p.samples) for p in plans), unit="samples",
+                            interval=settings.progress_interval)
+            for plan in plans:
+                writer.begin(out / split / shard_name(plan.index), plan, len(layer_ids), hidden_size, dtype, meta)
+                for batch in batches(plan.samples, settings.token_budget):
+                    hidden = backend.capture([s.input_ids for s in batch])
+                    writer.write(*_to_host(hidden))
+                    prog.update(len(batch), tokens=sum(len(s.input_ids) for s in batch),
+                                written=format_bytes(writer.bytes_written))
+                writer.end()
+            prog.close()
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        backend.close()

@@ -1,0 +1,52 @@
+"""Settings of the capture stage (YAML keys, `key=value` overrides and CLI flags share these names)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from nestling.errors import NestlingError
+
+
+@dataclass
+class CaptureSettings:
+    """How to run the target and how to store what it produces.
+
+    `layers` None means DESIGN.md's default `[2, L//2, L-3]` plus the final state L. `token_budget`
+    bounds padded tokens per forward (batch size x longest sample). `shard_size` is in bytes or with
+    a unit (`1GB`, `512MiB`).
+    """
+
+    backend: Literal["hf", "vllm"] = "hf"
+    layers: list[int] | None = None
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    device: str = "auto"
+    device_map: str | None = None
+    token_budget: int = 16384
+    shard_size: str = "1GB"
+    ignore_disk_check: bool = False
+    queue_size: int = 4
+    progress_interval: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.token_budget < 1:
+            raise NestlingError(f"token_budget must be positive, got {self.token_budget}")
+        if self.queue_size < 1:
+            raise NestlingError(f"queue_size must be at least 1, got {self.queue_size}")
+        parse_size(self.shard_size)
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(size: str | int) -> int:
+    """'1GB' -> 10**9, '512MiB' -> 2**29, 4096 -> 4096."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(size))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise NestlingError(f"shard_size {size!r} is not a size; write e.g. 1GB, 512MiB or a byte count")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n < 1:
+        raise NestlingError(f"shard_size must be at least 1 byte, got {size!r}")
+    return n

@@ -1,0 +1,300 @@
+"""The capture store: byte-sized safetensors shards, an index per split, and a memory-mapped reader.
+
+Layout (docs/formats.md): `{split}/shard-XXXXX.safetensors` with `hidden [T, n_ids, H]`,
+`input_ids [T] int32`, `loss_mask [T] uint8`, and `{split}/index.json` (sample -> shard, offset, length).
+
+Why we write the safetensors file ourselves: the shard plan fixes every tensor's shape before the
+first forward, so the header can be written first and `hidden` streamed batch by batch. Memory stays
+bounded by the queue, not by the shard size, and disk writes overlap compute continuously. The result
+is an ordinary safetensors file (`safe_open` reads it); it is a pure function of the plan, so a
+resumed run writes byte-identical shards.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import queue
+import struct
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nestling.data.dataset import Sample
+from nestling.errors import NestlingError
+from nestling.manifest import atomic_write_json, hash_json
+
+ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32", torch.uint8: "U8"}
+INDEX = "index.json"
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:05d}.safetensors"
+
+
+def bytes_per_token(n_ids: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """hidden + input_ids (int32) + loss_mask (uint8)."""
+    return n_ids * hidden_size * dtype.itemsize + 4 + 1
+
+
+@dataclass
+class ShardPlan:
+    """Which samples go into shard `index`, in stored order; `key` identifies the planned content."""
+
+    index: int
+    samples: list[Sample]
+    key: str
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s.input_ids) for s in self.samples)
+
+
+def plan_shards(samples: list[Sample], bpt: int, shard_bytes: int, run_key: str) -> list[ShardPlan]:
+    """Longest samples first (an out-of-memory batch fails in the first seconds, not at the end), then
+    consecutive runs of at most `shard_bytes` (at least one sample per shard)."""
+    order = sorted(range(len(samples)), key=lambda i: (-len(samples[i].input_ids), i))
+    groups: list[list[Sample]] = []
+    size = 0
+    for i in order:
+        b = len(samples[i].input_ids) * bpt
+        if not groups or size + b > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(samples[i])
+        size += b
+    return [ShardPlan(k, g, hash_json([run_key, k, [(s.sample_id, len(s.input_ids)) for s in g]]))
+            for k, g in enumerate(groups)]
+
+
+def batches(samples: list[Sample], token_budget: int) -> list[list[Sample]]:
+    """Consecutive runs of (length-sorted) samples whose padded size B x max_len fits the budget."""
+    out: list[list[Sample]] = []
+    longest = 0
+    for s in samples:
+        n = len(s.input_ids)
+        if out and (len(out[-1]) + 1) * max(longest, n) <= token_budget:
+            out[-1].append(s)
+            longest = max(longest, n)
+        else:
+            out.append([s])
+            longest = n
+    return out
+
+
+def _header(plan: ShardPlan, n_ids: int, hidden_size: int, dtype: torch.dtype, meta: dict) -> bytes:
+    T = plan.tokens
+    nh = T * n_ids * hidden_size * dtype.itemsize
+    head = {
+        "__metadata__": {k: str(v) for k, v in meta.items()},
+        "hidden": {"dtype": ST_DTYPES[dtype], "shape": [T, n_ids, hidden_size], "data_offsets": [0, nh]},
+        "input_ids": {"dtype": "I32", "shape": [T], "data_offsets": [nh, nh + 4 * T]},
+        "loss_mask": {"dtype": "U8", "shape": [T], "data_offsets": [nh + 4 * T, nh + 5 * T]},
+    }
+    js = json.dumps(head, sort_keys=True, separators=(",", ":")).encode()
+    js += b" " * (-(len(js) + 8) % 8)  # data starts 8-byte aligned
+    return struct.pack("<Q", len(js)) + js
+
+
+def shard_key(path: Path) -> str | None:
+    """The plan key of a complete shard on disk (None when unreadable)."""
+    try:
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            return (f.metadata() or {}).get("plan")
+    except Exception:
+        return None
+
+
+def _raw(t: torch.Tensor):
+    return t.contiguous().view(torch.uint8).numpy()
+
+
+class ShardWriter:
+    """Background thread that streams batches into shard files, so disk writes overlap the forward.
+
+    The queue is bounded: when the disk is slower than the model, compute waits instead of RAM filling.
+    Items carry an optional CUDA event that the writer waits on before reading a pinned host copy.
+    """
+
+    def __init__(self, queue_size: int = 4):
+        self.q: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.error: BaseException | None = None
+        self.bytes_written = 0
+        self._abort = False
+        self._thread = threading.Thread(target=self._run, name="nestling-shard-writer", daemon=True)
+        self._thread.start()
+
+    def _put(self, item) -> None:
+        while True:
+            self._check()
+            try:
+                self.q.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def begin(self, path: Path, plan: ShardPlan, n_ids: int, hidden_size: int, dtype: torch.dtype, meta: dict) -> None:
+        self._put(("begin", Path(path), plan, _header(plan, n_ids, hidden_size, dtype, {**meta, "plan": plan.key})))
+
+    def write(self, hidden: torch.Tensor, event=None) -> None:
+        self._put(("hidden", hidden, event))
+
+    def end(self) -> None:
+        self._put(("end",))
+
+    def close(self) -> None:
+        """Wait for all queued work; re-raise the writer's error here, in the main thread."""
+        if self._thread.is_alive():
+            self._put(None)
+            self._thread.join()
+        self._check()
+
+    def _check(self) -> None:
+        if self.error is not None:
+            e = self.error
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                raise NestlingError(
+                    f"the disk is full while writing {getattr(e, 'filename', None) or 'a shard'}: free space or "
+                    f"point --out at a larger disk, then run the same command again (complete shards are kept)."
+                ) from None
+            if isinstance(e, OSError):
+                raise NestlingError(f"cannot write capture shards: {e}") from None
+            raise e
+
+    def abort(self) -> None:
+        """Stop without finishing the shard in flight (its temporary file is removed)."""
+        self._abort = True
+        self._thread.join()
+
+    def _run(self) -> None:
+        f = tmp = plan = None
+        try:
+            while True:
+                try:
+                    item = self.q.get(timeout=0.2)
+                except queue.Empty:
+                    if self._abort:
+                        raise _Aborted from None
+                    continue
+                if self._abort:
+                    raise _Aborted
+                if item is None:
+                    return
+                if item[0] == "begin":
+                    _, path, plan, header = item
+                    tmp = path.with_name(f".{path.name}.tmp")
+                    f = open(tmp, "wb")
+                    f.write(header)
+                    self.bytes_written += len(header)
+                elif item[0] == "hidden":
+                    _, hidden, event = item
+                    if event is not None:
+                        event.synchronize()
+                    f.write(_raw(hidden))
+                    self.bytes_written += hidden.numel() * hidden.element_size()
+                else:
+                    ids = torch.tensor([t for s in plan.samples for t in s.input_ids], dtype=torch.int32)
+                    mask = torch.tensor([t for s in plan.samples for t in s.loss_mask], dtype=torch.uint8)
+                    f.write(_raw(ids))
+                    f.write(_raw(mask))
+                    f.flush()
+                    os.fsync(f.fileno())
+                    f.close()
+                    f = None
+                    os.replace(tmp, path)
+                    tmp = None
+                    self.bytes_written += 5 * len(ids)
+        except BaseException as e:  # surfaced in the main thread by _check
+            if not isinstance(e, _Aborted):
+                self.error = e
+                if isinstance(e, OSError) and e.filename is None:
+                    e.filename = str(tmp)
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)  # a partial shard frees its space; the rerun redoes it
+
+
+class _Aborted(Exception):
+    pass
+
+
+def write_index(split_dir: Path, samples: list[Sample], plans: list[ShardPlan]) -> list[dict]:
+    """Index in the data stage's sample order: each sample's shard, token offset and length."""
+    where: dict[str, tuple[str, int]] = {}
+    for p in plans:
+        off = 0
+        for s in p.samples:
+            where[s.sample_id] = (shard_name(p.index), off)
+            off += len(s.input_ids)
+    index = [{"sample_id": s.sample_id, "shard": where[s.sample_id][0], "offset": where[s.sample_id][1],
+              "length": len(s.input_ids)} for s in samples]
+    atomic_write_json(Path(split_dir) / INDEX, index)
+    return index
+
+
+def read_index(capture_dir: Path, split: str) -> list[dict]:
+    path = Path(capture_dir) / split / INDEX
+    if not path.exists():
+        raise NestlingError(f"{capture_dir} has no '{split}' split ({path} is missing)")
+    return json.loads(path.read_text())
+
+
+class CaptureDataset(torch.utils.data.Dataset):
+    """Per-sample tensors read through memory-mapped shards (`safe_open` + `get_slice`), never a whole shard.
+
+    Items: `{"sample_id", "input_ids" long [T], "loss_mask" bool [T], "aux" [T, n_aux*H], "final" [T, H]}`.
+    File handles open lazily per process (safe with DataLoader workers) and at most `max_open` stay open.
+    """
+
+    def __init__(self, capture_dir: Path, split: str = "train", max_open: int = 64):
+        from nestling.manifest import read_manifest
+
+        self.dir = Path(capture_dir)
+        self.manifest = read_manifest(self.dir, "capture")
+        self.split = split
+        self.index = read_index(self.dir, split)
+        self.max_open = max_open
+        self._open: OrderedDict = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_open": OrderedDict()}
+
+    def _handle(self, shard: str):
+        from safetensors import safe_open
+
+        h = self._open.get(shard)
+        if h is None:
+            h = safe_open(self.dir / self.split / shard, "pt")
+            self._open[shard] = h
+            if len(self._open) > self.max_open:
+                self._open.popitem(last=False)
+        else:
+            self._open.move_to_end(shard)
+        return h
+
+    def __getitem__(self, i: int) -> dict:
+        e = self.index[i]
+        f = self._handle(e["shard"])
+        a, b = e["offset"], e["offset"] + e["length"]
+        hidden = f.get_slice("hidden")[a:b]
+        T = hidden.shape[0]
+        return {
+            "sample_id": e["sample_id"],
+            "input_ids": f.get_slice("input_ids")[a:b].long(),
+            "loss_mask": f.get_slice("loss_mask")[a:b].bool(),
+            "aux": hidden[:, :-1].reshape(T, -1),
+            "final": hidden[:, -1],
+        }

@@ -1,0 +1,102 @@
+"""`nestling capture --verify DIR`: re-read every shard and check it against the data stage.
+
+A shard can be damaged after it was written (a full disk, a bad copy, a truncated download), so
+training should not be the first to read it. Reads go through memory-mapped slices, chunk by chunk.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from nestling.capture.store import read_index
+from nestling.data.dataset import load_samples
+from nestling.errors import NestlingError
+from nestling.manifest import read_manifest
+from nestling.progress import Progress, log
+
+CHUNK_TOKENS = 8192
+
+
+def _check_shard(path: Path, n_ids: int, hidden_size: int, dtype: str, expect_ids: torch.Tensor,
+                 expect_mask: torch.Tensor) -> list[str]:
+    from safetensors import safe_open
+
+    name = f"{path.parent.name}/{path.name}"
+    try:
+        f = safe_open(path, "pt")
+        keys = set(f.keys())
+        if keys != {"hidden", "input_ids", "loss_mask"}:
+            return [f"{name}: holds tensors {sorted(keys)}, expected hidden, input_ids, loss_mask"]
+        h = f.get_slice("hidden")
+        shape = h.get_shape()
+        T = int(expect_ids.numel())
+        if list(shape) != [T, n_ids, hidden_size]:
+            return [f"{name}: hidden has shape {shape}, the index says [{T}, {n_ids}, {hidden_size}]"]
+        problems = []
+        ids = f.get_tensor("input_ids")
+        if ids.shape != expect_ids.shape or not torch.equal(ids.long(), expect_ids):
+            problems.append(f"{name}: input_ids differ from the data stage's token ids")
+        if not torch.equal(f.get_tensor("loss_mask").long(), expect_mask):
+            problems.append(f"{name}: loss_mask differs from the data stage's")
+        lo = torch.full((n_ids,), float("inf"))
+        hi = torch.full((n_ids,), float("-inf"))
+        nonfinite = 0
+        for a in range(0, T, CHUNK_TOKENS):
+            x = h[a:a + CHUNK_TOKENS].float()
+            nonfinite += int((~torch.isfinite(x)).sum())
+            x = torch.nan_to_num(x)
+            lo = torch.minimum(lo, x.amin(dim=(0, 2)))
+            hi = torch.maximum(hi, x.amax(dim=(0, 2)))
+    except NestlingError:
+        raise
+    except Exception as e:
+        return [f"{name}: cannot be read ({type(e).__name__}: {e})"]
+    if nonfinite:
+        problems.append(f"{name}: {nonfinite} NaN/Inf values in hidden")
+    for j in range(n_ids):
+        if hi[j] == lo[j]:
+            what = "all zero" if hi[j] == 0 else f"constant ({hi[j].item():g})"
+            problems.append(f"{name}: layer slot {j} is {what}")
+    return problems
+
+
+def verify(capture_dir: str | Path) -> list[str]:
+    """All problems found (empty list: the capture is sound)."""
+    capture_dir = Path(capture_dir)
+    if not capture_dir.exists():
+        raise NestlingError(f"capture folder {capture_dir} does not exist")
+    m = read_manifest(capture_dir, "capture")
+    n_ids, H = len(m["layer_ids"]), int(m["hidden_size"])
+    data_dir = Path(m["data_dir"])
+    problems: list[str] = []
+    for split in m["splits"]:
+        index = read_index(capture_dir, split)
+        by_id = {s.sample_id: s for s in load_samples(data_dir, split)}
+        if set(by_id) != {e["sample_id"] for e in index}:
+            problems.append(f"{split}: the index's samples differ from the data stage's {split} split")
+        shards: dict[str, list[dict]] = {}
+        for e in index:
+            shards.setdefault(e["shard"], []).append(e)
+        prog = Progress(f"verify {split}", total=len(shards), unit="shards")
+        for shard, entries in sorted(shards.items()):
+            entries.sort(key=lambda e: e["offset"])
+            pos, ids, mask = 0, [], []
+            for e in entries:
+                s = by_id.get(e["sample_id"])
+                if e["offset"] != pos or s is None or len(s.input_ids) != e["length"]:
+                    problems.append(f"{split}/{shard}: index entry of {e['sample_id']} does not match the data stage")
+                    break
+                pos += e["length"]
+                ids += s.input_ids
+                mask += s.loss_mask
+            else:
+                path = capture_dir / split / shard
+                if not path.exists():
+                    problems.append(f"{split}/{shard}: missing")
+                else:
+                    problems += _check_shard(path, n_ids, H, m["dtype"], torch.tensor(ids), torch.tensor(mask))
+            prog.update(1)
+    log(f"[verify] {capture_dir}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
+    return problems
