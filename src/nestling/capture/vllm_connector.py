@@ -137,7 +137,19 @@ class NestlingHiddenStatesConnector(KVConnectorBase_V1):
         if len(names) != 1:
             raise RuntimeError(f"nestling connector: expected one hidden-state cache layer, found {names}; "
                                "is the speculative method extract_hidden_states?")
-        self._cache = kv_caches[names[0]]  # [num_blocks, n_ids, block_size, hidden]
+        cache = kv_caches[names[0]]
+        spec = self._kv_cache_config.kv_cache_groups[self._group].kv_cache_spec if self._kv_cache_config else None
+        n_ids = getattr(spec, "num_kv_heads", cache.shape[1])
+        bs = getattr(spec, "block_size", cache.shape[2])
+        # vLLM picks the cache layout per platform: heads-major [blocks, ids, block_size, hidden] (LBHNC,
+        # what the CPU build uses) or token-major [blocks, block_size, ids, hidden]. Index rows either way.
+        if tuple(cache.shape[1:3]) == (n_ids, bs):
+            self._cache = cache
+        elif tuple(cache.shape[1:3]) == (bs, n_ids):
+            self._cache = cache.transpose(1, 2)
+        else:
+            raise RuntimeError(f"nestling connector: hidden-state cache of shape {tuple(cache.shape)} does not match "
+                               f"{n_ids} layer ids x block size {bs}")
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         pass
@@ -183,9 +195,3 @@ class NestlingHiddenStatesConnector(KVConnectorBase_V1):
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-
-    @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        # Token-major blocks ([blocks, ids, block_size, hidden] views), so that the slot indexing in
-        # wait_for_save reads whole rows; the same layout vLLM's own hidden-states connector asks for.
-        return "LBNHC"
