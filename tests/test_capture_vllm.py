@@ -39,8 +39,8 @@ def _env() -> dict:
 
 
 def _cli(data: Path, target: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "nestling", "capture", str(data), "--target", str(target), "--out", str(out),
-            "--backend", "vllm", "--device", "cpu", "--dtype", "float32", "--layers", LAYERS, *extra]
+    return [sys.executable, "-m", "nestling", "capture", str(data), *extra, "--target", str(target), "--out", str(out),
+            "--backend", "vllm", "--device", "cpu", "--dtype", "float32", "--layers", LAYERS]
 
 
 def _data(tmp_path: Path, target: Path, n_train: int, n_heldout: int, **kw) -> Path:

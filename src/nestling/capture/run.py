@@ -8,6 +8,7 @@ shards (a pure function of inputs and settings), skip those already complete, an
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -154,6 +155,9 @@ def capture(data_dir: str | Path, target: str | Path, out: str | Path, settings:
 
 def _run(todo: dict[str, list[ShardPlan]], target_dir: Path, layer_ids: list[int], hidden_size: int,
          dtype: torch.dtype, out: Path, settings: CaptureSettings, run_key: str) -> None:
+    if settings.max_model_len is None:  # an engine that sizes itself up front (vllm) needs the longest sample
+        longest = max(len(s.input_ids) for plans in todo.values() for p in plans for s in p.samples)
+        settings = replace(settings, max_model_len=longest)
     backend = make_backend(settings.backend, target_dir, layer_ids, settings)
     if backend.hidden_size != hidden_size:
         raise NestlingError(f"backend reports hidden size {backend.hidden_size}, config says {hidden_size}")

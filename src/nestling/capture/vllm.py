@@ -131,7 +131,8 @@ class VLLMBackend(Backend):
         self.dtype = getattr(torch, settings.dtype)
         self.device = torch.device("cpu")  # rows arrive in host files, never as device tensors
         max_pos = int(text.get("max_position_embeddings", 1 << 30))
-        self.max_model_len = min(int(getattr(settings, "max_model_len", None) or settings.token_budget), max_pos)
+        # +2: vLLM counts the one output token and the speculative slot into a request's length
+        self.max_model_len = min(int(settings.max_model_len or settings.token_budget) + 2, max_pos)
         self._scratch: Path | None = None
         extra = {"dtype": settings.dtype}
         if self.layer_ids[-1] == self.n_layers:
@@ -187,7 +188,7 @@ class VLLMBackend(Backend):
         from nestling.capture.vllm_connector import OFFSET, PATH, SAMPLE
 
         for s in seqs:
-            if not 0 < len(s) <= self.max_model_len:
+            if not 0 < len(s) < self.max_model_len:
                 raise NestlingError(
                     f"a sample of {len(s)} tokens does not fit the vLLM engine's max_model_len {self.max_model_len}; "
                     f"raise token_budget (or max_model_len) to at least the longest sample")
