@@ -114,7 +114,11 @@ class VLLMBackend(Backend):
     """vLLM in-process; `fill(path, seqs, offsets)` makes the engine write rows into a shard file.
 
     `capture(seqs)` (the generic interface) goes through a scratch file and returns the rows; the
-    runner uses `fill` to write shards without the round trip.
+    runner calls `write_shard`, which fills shard files without the round trip. With
+    `data_parallel_size` N > 1 there are N independent engines (vLLM 0.32 refuses
+    `LLM(data_parallel_size>1)` in one process), each in its own process on its own
+    `tensor_parallel_size` GPUs; every shard's samples are split between them, and they write
+    disjoint byte ranges of the same file.
     """
 
     writes_shards = True
@@ -127,6 +131,7 @@ class VLLMBackend(Backend):
         text = config.get("text_config") or config
         self.n_layers = int(text["num_hidden_layers"])
         self.layer_ids = list(layer_ids)
+        vllm_layer_ids(self.layer_ids, self.n_layers)
         self.hidden_size = int(text["hidden_size"])
         self.dtype = getattr(torch, settings.dtype)
         self.device = torch.device("cpu")  # rows arrive in host files, never as device tensors
@@ -137,42 +142,19 @@ class VLLMBackend(Backend):
         extra = {"dtype": settings.dtype}
         if self.layer_ids[-1] == self.n_layers:
             extra["final_norm"] = final_norm(target, config)
-        self.final_state = "post_norm" if self.layer_ids[-1] == self.n_layers else "none"
-
-        on_cpu = _on_cpu(settings.device)
-        if on_cpu:  # the CPU build sizes its KV cache from this variable (GiB), not from a memory fraction
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(getattr(settings, "vllm_kv_cache_gib", 1)))
-        from vllm import LLM
-
-        self.llm = LLM(
-            model=str(target),
-            tokenizer=str(target),
-            skip_tokenizer_init=True,  # we send token ids; nothing is detokenized
-            dtype=settings.dtype,
-            tensor_parallel_size=int(getattr(settings, "tensor_parallel_size", 1)),
-            data_parallel_size=int(getattr(settings, "data_parallel_size", 1)),
-            max_model_len=self.max_model_len,
-            # Correctness: each prompt must be computed whole, in the step it is first scheduled, so that
-            # the connector sees a request's every row when it is new. Chunked prefill would split long
-            # prompts over steps, and prefix caching would skip computing shared prefixes.
-            enable_chunked_prefill=False,
-            enable_prefix_caching=False,
-            max_num_batched_tokens=max(settings.token_budget, self.max_model_len),
-            enforce_eager=on_cpu,
-            seed=0,
-            speculative_config={
-                "method": "extract_hidden_states",
-                "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {
-                    "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(self.layer_ids, self.n_layers)}},
-            },
-            kv_transfer_config={
-                "kv_connector": CONNECTOR,
-                "kv_connector_module_path": CONNECTOR_MODULE,
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": extra,
-            },
-        )
+        dp = int(settings.data_parallel_size)
+        if dp == 1:
+            self.engines = [_Engine(target, self.layer_ids, settings, self.max_model_len, extra)]
+        else:
+            tp = int(settings.tensor_parallel_size)
+            gpus = _visible_gpus() if not _on_cpu(settings.device) else []
+            if gpus and len(gpus) < dp * tp:
+                raise NestlingError(f"data_parallel_size {dp} x tensor_parallel_size {tp} needs {dp * tp} GPUs; "
+                                    f"{len(gpus)} are visible")
+            self.engines = [_Replica(target, self.layer_ids, settings, self.max_model_len, extra,
+                                     gpus[r * tp:(r + 1) * tp] if gpus else None) for r in range(dp)]
+            for e in self.engines:
+                e.ready()
 
     @property
     def row_bytes(self) -> int:
@@ -182,23 +164,28 @@ class VLLMBackend(Backend):
         """Prefill `seqs` (one output token each); sample i's rows land at byte `offsets[i]` of `path`.
 
         Returns when vLLM has finished every request, i.e. when every row is in the file."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        from nestling.capture.vllm_connector import OFFSET, PATH, SAMPLE
-
         for s in seqs:
             if not 0 < len(s) < self.max_model_len:
                 raise NestlingError(
                     f"a sample of {len(s)} tokens does not fit the vLLM engine's max_model_len {self.max_model_len}; "
-                    f"raise token_budget (or max_model_len) to at least the longest sample")
+                    f"raise max_model_len (default: the longest sample) or token_budget")
         ids = sample_ids or [str(i) for i in range(len(seqs))]
-        params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                                 extra_args={"kv_transfer_params": {PATH: str(path), OFFSET: int(o), SAMPLE: sid}})
-                  for o, sid in zip(offsets, ids)]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in seqs], params, use_tqdm=False)
-        if len(outs) != len(seqs) or any(not o.finished for o in outs):
-            raise NestlingError("vLLM returned fewer finished requests than were sent; the shard is incomplete")
+        work = [(list(s), str(path), int(o), sid) for s, o, sid in zip(seqs, offsets, ids)]
+        if len(self.engines) == 1:
+            self.engines[0].fill(work)
+            return
+        parts: list[list] = [[] for _ in self.engines]
+        load = [0] * len(self.engines)
+        for w in sorted(work, key=lambda w: -len(w[0])):  # longest first onto the least loaded engine
+            r = load.index(min(load))
+            parts[r].append(w)
+            load[r] += len(w[0])
+        busy = [e for e, part in zip(self.engines, parts) if part]
+        for e, part in zip(self.engines, parts):
+            if part:
+                e.send(part)
+        for e in busy:
+            e.wait()
 
     def write_shard(self, path: Path, plan, meta: dict, token_budget: int, on_batch=None) -> None:
         """Write one planned shard: header, token ids and mask from here; hidden rows from the engine.
@@ -255,13 +242,133 @@ class VLLMBackend(Backend):
         if self._scratch is not None:
             self._scratch.unlink(missing_ok=True)
             self._scratch = None
-        llm = getattr(self, "llm", None)
-        self.llm = None
+        for e in getattr(self, "engines", []):
+            e.close()
+        self.engines = []
+
+
+class _Engine:
+    """One `vllm.LLM` in this process, configured for capture."""
+
+    def __init__(self, target: Path, layer_ids: list[int], settings: CaptureSettings, max_model_len: int, extra: dict):
+        on_cpu = _on_cpu(settings.device)
+        if on_cpu:  # the CPU build sizes its KV cache from this variable (GiB), not from a memory fraction
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.vllm_kv_cache_gib))
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=str(target),
+            tokenizer=str(target),
+            skip_tokenizer_init=True,  # we send token ids; nothing is detokenized
+            dtype=settings.dtype,
+            tensor_parallel_size=int(settings.tensor_parallel_size),
+            max_model_len=max_model_len,
+            # Correctness: each prompt must be computed whole, in the step it is first scheduled, so that
+            # the connector sees a request's every row when it is new. Chunked prefill would split long
+            # prompts over steps, and prefix caching would skip computing shared prefixes.
+            enable_chunked_prefill=False,
+            enable_prefix_caching=False,
+            max_num_batched_tokens=max(settings.token_budget, max_model_len),
+            enforce_eager=on_cpu,
+            seed=0,
+            speculative_config={
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+            },
+            kv_transfer_config={
+                "kv_connector": CONNECTOR,
+                "kv_connector_module_path": CONNECTOR_MODULE,
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": extra,
+            },
+        )
+
+    def fill(self, work: list[tuple[list[int], str, int, str]]) -> None:
+        """`work`: (token ids, shard path, byte offset, sample id) per request."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from nestling.capture.vllm_connector import OFFSET, PATH, SAMPLE
+
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _, _, _ in work]
+        params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                 extra_args={"kv_transfer_params": {PATH: path, OFFSET: off, SAMPLE: sid}})
+                  for _, path, off, sid in work]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        if len(outs) != len(work) or any(not o.finished for o in outs):
+            raise NestlingError("vLLM returned fewer finished requests than were sent; the shard is incomplete")
+
+    def close(self) -> None:
+        llm, self.llm = self.llm, None
         if llm is not None:
             try:
                 llm.llm_engine.engine_core.shutdown()
             except Exception:
                 pass
+
+
+def _replica_main(conn, target, layer_ids, settings, max_model_len, extra, gpus) -> None:
+    """A data-parallel replica: its own engine on its own GPUs, filling what the main process sends."""
+    if gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    try:
+        engine = _Engine(target, layer_ids, settings, max_model_len, extra)
+        conn.send(("ready", None))
+    except BaseException as e:  # noqa: BLE001 - reported to the main process as text
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        try:
+            engine.fill(msg)
+            conn.send(("ok", None))
+        except BaseException as e:  # noqa: BLE001
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+    engine.close()
+
+
+class _Replica:
+    def __init__(self, target, layer_ids, settings, max_model_len, extra, gpus):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_replica_main, name="nestling-vllm-replica",
+                                args=(child, target, layer_ids, settings, max_model_len, extra, gpus))
+        self.proc.start()
+
+    def _recv(self) -> None:
+        while not self.conn.poll(1.0):
+            if not self.proc.is_alive():
+                raise NestlingError(f"a vLLM data-parallel replica died (exit code {self.proc.exitcode})")
+        kind, err = self.conn.recv()
+        if kind == "error":
+            raise NestlingError(f"a vLLM data-parallel replica failed: {err}")
+
+    ready = wait = _recv
+
+    def send(self, work) -> None:
+        self.conn.send(work)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+            self.proc.join(60)
+        if self.proc.is_alive():
+            self.proc.terminate()
+
+
+def _visible_gpus() -> list[int]:
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env:
+        return [int(x) for x in env.split(",") if x.strip()]
+    return list(range(torch.cuda.device_count()))
 
 
 def _check_rows_written(path: Path, base: int, row_bytes: int, spans: list[tuple[str, int, int]]) -> None:
