@@ -146,3 +146,21 @@ def test_vllm_version_range(version, ok):
 
 def test_installed_vllm_is_in_tested_range():
     check_vllm_version(installed_vllm_version())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_connector_final_norm_matches_transformers(dtype):
+    """The norm the connector applies to vLLM's pre-norm id L is transformers' own, bit for bit in bf16."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from nestling.capture.vllm_connector import rms_norm
+
+    torch.manual_seed(0)
+    x = (torch.randn(7, 64) * 3).to(dtype)
+    llama, gemma = LlamaRMSNorm(64, eps=1e-5).to(dtype), Gemma3RMSNorm(64, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        llama.weight.normal_(1.0, 0.2)
+        gemma.weight.normal_(0.0, 0.2)
+        assert torch.equal(rms_norm(x, llama.weight.float(), 1e-5, False), llama(x))
+        assert torch.equal(rms_norm(x, gemma.weight.float(), 1e-6, True), gemma(x))

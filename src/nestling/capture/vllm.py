@@ -98,14 +98,16 @@ def final_norm(target: Path, config: dict) -> dict:
 
     text = config.get("text_config") or config
     kind = text.get("model_type", config.get("model_type", ""))
-    names = ["model.norm.weight", "model.language_model.norm.weight"]
-    from nestling.target.load import _weight_map
-
-    wmap = _weight_map(Path(target))
-    name = next((n for n in names if n in wmap), None)
-    if name is None:
+    names = ["model.norm.weight", "model.language_model.norm.weight"]  # causal LM, multimodal wrapper
+    w = None
+    for name in names:
+        try:
+            w = read_tensors(target, [name])[name].float()
+            break
+        except NestlingError:
+            continue
+    if w is None:
         raise NestlingError(f"target {target} has no final norm weight (looked for {names}); {HF_HINT}")
-    w = read_tensors(target, [name])[name].float()
     eps = text.get("rms_norm_eps", text.get("layer_norm_eps", 1e-6))
     return {"weight": w.tolist(), "eps": float(eps), "plus_one": kind.startswith("gemma")}
 
