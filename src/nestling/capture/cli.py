@@ -14,9 +14,29 @@ capture (complete shards are kept). `nestling capture --verify CAPTURE_DIR` (or 
 verify CAPTURE_DIR`) re-reads every shard and checks it against the data stage."""
 
 
+class _IntermixedParser(argparse.ArgumentParser):
+    """Lets `key=value` overrides follow the options (`capture DATA --out O token_budget=8192`): plain
+    argparse assigns all positionals at their first occurrence and rejects later ones."""
+
+    _inner = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._inner:
+            return super().parse_known_args(args, namespace)
+        self._inner = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inner = False
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("capture", help="store the target's hidden states for training", description=HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    cls, sub._parser_class = sub._parser_class, _IntermixedParser
+    try:
+        p = sub.add_parser("capture", help="store the target's hidden states for training", description=HELP,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    finally:
+        sub._parser_class = cls
     p.add_argument("data_dir", nargs="?", help="output folder of `nestling data` (or: verify CAPTURE_DIR)")
     p.add_argument("extra", nargs="*", help="key=value setting overrides (e.g. token_budget=8192)")
     p.add_argument("--target", help="the target: a local Hugging Face model folder or a .gguf file")
@@ -24,7 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=["hf", "vllm"], help="engine that runs the target (default hf: transformers)")
     p.add_argument("--layers", help="comma-separated layer ids in HF hidden_states indexing, the last being the "
                                     "final state L (default: 2, L//2, L-3, L)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="model and stored dtype (default bfloat16)")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"],
+                   help="model and stored dtype (default auto: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto (default auto: cuda when available)")
     p.add_argument("--device-map", dest="device_map", help="transformers device_map, e.g. auto to spread over several GPUs")
     p.add_argument("--token-budget", dest="token_budget", type=int,

@@ -21,14 +21,6 @@ class _Stop(Exception):
     """Raised from a hook once the last needed state is captured: the remaining layers never run."""
 
 
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise NestlingError(f"device {device!r} was asked for but torch sees no CUDA GPU; use --device cpu")
-    return device
-
-
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The decoder stack without the LM head (LlamaModel inside LlamaForCausalLM, etc.)."""
     base = getattr(model, "model", None)
@@ -41,12 +33,14 @@ def base_model(model: torch.nn.Module) -> torch.nn.Module:
 
 class HFBackend(Backend):
     def __init__(self, target: Path, layer_ids: list[int], settings: CaptureSettings, model=None):
+        from nestling.capture.settings import resolve
         from nestling.target.load import load_model
 
+        settings = resolve(settings)
         self.layer_ids = list(layer_ids)
         self.dtype = getattr(torch, settings.dtype)
         if model is None:
-            device = resolve_device(settings.device) if not settings.device_map else "cpu"
+            device = settings.device if not settings.device_map else "cpu"
             model = load_model(target, dtype=settings.dtype, device=device, device_map=settings.device_map)
         self.model = model
         self.base = base_model(model)

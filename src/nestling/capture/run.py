@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from nestling.capture.backend import make_backend
-from nestling.capture.settings import CaptureSettings, parse_size
+from nestling.capture.settings import CaptureSettings, parse_size, resolve
 from nestling.capture.store import (ShardPlan, ShardWriter, batches, bytes_per_token, plan_shards, shard_key,
                                     shard_name, write_index)
 from nestling.config import to_dict
@@ -35,14 +35,24 @@ FINAL_STATE_SOURCE = {
 RESULT_KEYS = ("backend", "layers", "dtype", "token_budget", "shard_size")
 
 
+_copy_stream = None
+
+
 def _to_host(h: torch.Tensor):
-    """Start the device-to-host copy without waiting for it; the writer waits on the event."""
+    """Start the device-to-host copy on a side stream and return at once; the writer thread waits on
+    the event. On the compute stream the copy would stall the next batch's forward."""
+    global _copy_stream
     if h.device.type != "cuda":
         return h, None
+    if _copy_stream is None:
+        _copy_stream = torch.cuda.Stream(device=h.device)
+    _copy_stream.wait_stream(torch.cuda.current_stream(h.device))
     host = torch.empty(h.shape, dtype=h.dtype, pin_memory=True)
-    host.copy_(h, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
+    with torch.cuda.stream(_copy_stream):
+        host.copy_(h, non_blocking=True)
+        h.record_stream(_copy_stream)
+        event = torch.cuda.Event()
+        event.record(_copy_stream)
     return host, event
 
 
@@ -86,7 +96,7 @@ def _free_bytes(path: Path) -> int:
 
 def capture(data_dir: str | Path, target: str | Path, out: str | Path, settings: CaptureSettings | None = None) -> dict:
     """Capture every split of `data_dir` into `out`; returns the manifest. Resumes an interrupted run."""
-    settings = settings or CaptureSettings()
+    settings = resolve(settings or CaptureSettings())
     data_dir, out = Path(data_dir), Path(out)
     target_dir = resolve_target(target)
     config = load_config(target_dir)
@@ -159,11 +169,21 @@ def _run(todo: dict[str, list[ShardPlan]], target_dir: Path, layer_ids: list[int
         longest = max(len(s.input_ids) for plans in todo.values() for p in plans for s in p.samples)
         settings = replace(settings, max_model_len=longest)
     backend = make_backend(settings.backend, target_dir, layer_ids, settings)
-    if backend.hidden_size != hidden_size:
-        raise NestlingError(f"backend reports hidden size {backend.hidden_size}, config says {hidden_size}")
-    log(f"[capture] backend {settings.backend} on {backend.device}")
+    try:
+        if backend.hidden_size != hidden_size:
+            raise NestlingError(f"backend reports hidden size {backend.hidden_size}, config says {hidden_size}")
+        log(f"[capture] backend {settings.backend} on {backend.device}")
+        meta = {"layer_ids": ",".join(map(str, layer_ids)), "dtype": settings.dtype, "run_key": run_key}
+        write_shards(todo, backend, out, settings, meta)
+    finally:
+        backend.close()
+
+
+def write_shards(todo: dict[str, list[ShardPlan]], backend, out: Path, settings: CaptureSettings, meta: dict) -> int:
+    """Run the planned shards through `backend` into `out/{split}/`; returns bytes written.
+    The forward of batch i+1 runs while the writer thread copies and writes batch i."""
     writer = ShardWriter(settings.queue_size)
-    meta = {"layer_ids": ",".join(map(str, layer_ids)), "dtype": settings.dtype, "run_key": run_key}
+    n_ids, H = len(backend.layer_ids), backend.hidden_size
     try:
         for split, plans in todo.items():
             prog = Progress(f"capture {split}", total=sum(len(p.samples) for p in plans), unit="samples",
@@ -173,7 +193,7 @@ def _run(todo: dict[str, list[ShardPlan]], target_dir: Path, layer_ids: list[int
                     backend.write_shard(out / split / shard_name(plan.index), plan, meta, settings.token_budget,
                                         lambda b: prog.update(len(b), tokens=sum(len(s.input_ids) for s in b)))
                     continue
-                writer.begin(out / split / shard_name(plan.index), plan, len(layer_ids), hidden_size, dtype, meta)
+                writer.begin(out / split / shard_name(plan.index), plan, n_ids, H, backend.dtype, meta)
                 for batch in batches(plan.samples, settings.token_budget):
                     hidden = backend.capture([s.input_ids for s in batch])
                     writer.write(*_to_host(hidden))
@@ -185,5 +205,4 @@ def _run(todo: dict[str, list[ShardPlan]], target_dir: Path, layer_ids: list[int
     except BaseException:
         writer.abort()
         raise
-    finally:
-        backend.close()
+    return writer.bytes_written

@@ -15,14 +15,15 @@ class CaptureSettings:
 
     `layers` None means DESIGN.md's default `[2, L//2, L-3]` plus the final state L. `token_budget`
     bounds padded tokens per forward (batch size x longest sample). `shard_size` is in bytes or with
-    a unit (`1GB`, `512MiB`). The vllm backend also reads `tensor_parallel_size`, `data_parallel_size`,
-    `max_model_len` (None: token_budget, capped at the target's positions) and `vllm_kv_cache_gib`
-    (the CPU build's KV cache size, VLLM_CPU_KVCACHE_SPACE).
+    a unit (`1GB`, `512MiB`). `dtype` auto is bfloat16 on a GPU and float32 on a CPU (CPUs without
+    bf16 matrix units run bf16 tens of times slower). The vllm backend also reads
+    `tensor_parallel_size`, `data_parallel_size`, `max_model_len` (None: the longest sample to capture)
+    and `vllm_kv_cache_gib` (the CPU build's KV cache size, VLLM_CPU_KVCACHE_SPACE).
     """
 
     backend: Literal["hf", "vllm"] = "hf"
     layers: list[int] | None = None
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     device: str = "auto"
     device_map: str | None = None
     token_budget: int = 16384
@@ -43,6 +44,23 @@ class CaptureSettings:
         if self.queue_size < 1:
             raise NestlingError(f"queue_size must be at least 1, got {self.queue_size}")
         parse_size(self.shard_size)
+
+
+def resolve(settings: CaptureSettings) -> CaptureSettings:
+    """Replace `auto` device and dtype by what this machine will use (recorded in the manifest)."""
+    import dataclasses
+
+    import torch
+
+    device = settings.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise NestlingError(f"device {device!r} was asked for but torch sees no CUDA GPU; use --device cpu")
+    dtype = settings.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") or settings.device_map else "float32"
+    return dataclasses.replace(settings, device=device, dtype=dtype)
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,

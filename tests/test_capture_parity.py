@@ -1,0 +1,121 @@
+"""Captured states equal a plain `output_hidden_states` forward of each sample alone, per architecture.
+
+This pins the layer-id convention (HF hidden_states indexing, id L = after the final norm) for every
+architecture we support, and proves padding and batch composition never change a sample's states.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from capture_data import make_data_dir
+from nestling.capture.hf import HFBackend
+from nestling.capture.run import capture
+from nestling.capture.settings import CaptureSettings
+from nestling.capture.store import CaptureDataset
+from nestling.target.load import load_model
+
+ARCHS = ["llama", "qwen3", "qwen3_moe", "deepseek_v3", "gemma3"]
+
+
+def reference(model, ids: torch.Tensor, layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch of one, full model, transformers' own hidden_states: [T, n_ids, H] and logits [T, V]."""
+    with torch.inference_mode():
+        out = model(ids[None], output_hidden_states=True, logits_to_keep=3)
+    return torch.stack([out.hidden_states[j][0] for j in layer_ids], 1), out.logits[0]
+
+
+def close(got: torch.Tensor, ref: torch.Tensor, dtype: str, tol: float = 1e-5) -> None:
+    """fp32: every element within 1e-5 of the token's RMS (real models carry outlier dims in the hundreds,
+    where 1e-5 absolute is below fp32 resolution). bf16: every token's state within 2% of its norm (bf16
+    keeps 8 mantissa bits, and a different GEMM shape rounds differently)."""
+    got, ref = got.float(), ref.float()
+    if dtype == "float32":
+        scale = ref.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1.0)
+        err = ((got - ref).abs() / scale).max()
+        assert err <= tol, f"max error {err:.3g} x token RMS"
+    else:
+        err = (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)
+        assert err.max() < 2e-2, f"relative error {err.max():.3g}"
+
+
+@pytest.fixture(scope="module")
+def data_dir(smollm2_dir, tmp_path_factory):
+    """One data folder for every target here: they all share the SmolLM2 tokenizer."""
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    return make_data_dir(tmp_path_factory.mktemp("data"), tok, smollm2_dir, n_train=4, n_heldout=2, seed=1, max_words=14)
+
+
+def check_capture(target, data, tmp_path, dtype: str, tol: float = 1e-5):
+    # a budget of ~2.5 longest samples: batches mix lengths, so most samples are right-padded
+    from nestling.data.dataset import load_samples
+
+    samples = load_samples(data, "train") + load_samples(data, "heldout")
+    lens = sorted(len(s.input_ids) for s in samples)
+    budget = int(2.5 * lens[-1])
+    m = capture(data, target, tmp_path / "cap", CaptureSettings(dtype=dtype, device="cpu", token_budget=budget,
+                                                                 progress_interval=60))
+    assert m["final_state"] == "post_norm" and m["layer_ids"][-1] == m["num_layers"]
+    model = load_model(target, dtype=dtype)
+    ids_ = m["layer_ids"]
+    H = m["hidden_size"]
+    # a second, different batch composition straight through the backend: everything in one batch
+    backend = HFBackend(target, ids_, CaptureSettings(dtype=dtype, device="cpu"), model=model)
+    one_batch = backend.capture([s.input_ids for s in samples])
+    backend.close()
+    offsets = dict(zip([s.sample_id for s in samples], torch.tensor([0] + [len(s.input_ids) for s in samples]).cumsum(0).tolist()))
+    seen = 0
+    for split in ("train", "heldout"):
+        ds = CaptureDataset(tmp_path / "cap", split)
+        for i in range(len(ds)):
+            item = ds[i]
+            T = len(item["input_ids"])
+            assert item["input_ids"].dtype == torch.long and item["loss_mask"].dtype == torch.bool
+            assert item["aux"].shape == (T, (len(ids_) - 1) * H) and item["final"].shape == (T, H)
+            got = torch.cat([item["aux"].view(T, -1, H), item["final"][:, None]], 1)
+            ref, logits = reference(model, item["input_ids"], ids_)
+            close(got, ref, dtype, tol)
+            a = offsets[item["sample_id"]]
+            close(one_batch[a:a + T], ref, dtype, tol)
+            # id L is the post-norm state: the LM head applied to it gives the target's logits
+            head = model.get_output_embeddings()
+            with torch.inference_mode():
+                close(head(item["final"][-3:]), logits[-3:], dtype, tol)
+            seen += 1
+    assert seen == len(samples)
+    assert max(lens) > min(lens)  # the batches really were padded
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_targets_fp32_match_hidden_states(arch, tiny_target, data_dir, tmp_path):
+    check_capture(tiny_target(arch), data_dir, tmp_path, "float32")
+
+
+def test_tiny_llama_bf16_matches_hidden_states(tiny_target, data_dir, tmp_path):
+    check_capture(tiny_target("llama"), data_dir, tmp_path, "bfloat16")
+
+
+@pytest.mark.slow
+def test_smollm2_matches_hidden_states(smollm2_dir, data_dir, tmp_path):
+    """The real target (bf16 weights) in fp32: CPUs without bf16 matrix units run bf16 ~50x slower.
+    Its 30 layers accumulate GEMM-order rounding to ~2e-5 x RMS when all six samples share one padded
+    batch (measured 1.7e-5); a padding leak would be O(1), so 5e-5 still catches any real bug."""
+    check_capture(smollm2_dir, data_dir, tmp_path, "float32", tol=5e-5)
+
+
+def test_early_stop_and_layer_subset(tiny_target):
+    """Ids below L stop the forward after the last needed layer, with the same states."""
+    target = tiny_target("llama")
+    model = load_model(target, dtype="float32")
+    seqs = [[1, 5, 9, 200, 7], [3, 4, 1000]]
+    backend = HFBackend(target, [0, 1, 4], CaptureSettings(dtype="float32", device="cpu"), model=model)
+    calls = []
+    h = model.model.layers[5].register_forward_pre_hook(lambda *a: calls.append(1))
+    got = backend.capture(seqs)
+    h.remove()
+    backend.close()
+    assert not calls  # layers 4..5 never ran
+    ref = torch.cat([reference(model, torch.tensor(s), [0, 1, 4])[0] for s in seqs])
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

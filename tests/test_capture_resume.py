@@ -1,0 +1,80 @@
+"""kill -9 during capture, run again: the store is byte-identical to an uninterrupted run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from capture_data import make_data_dir
+from nestling.capture.run import capture
+from nestling.capture.settings import CaptureSettings
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+OPTS = dict(dtype="float32", device="cpu", token_budget=96, shard_size="60KB", progress_interval=60)
+
+
+def store_files(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file() and p.name != "manifest.json"}
+
+
+def test_kill9_then_resume_equals_uninterrupted(tiny_target, tmp_path):
+    target = tiny_target("llama")
+    tok = AutoTokenizer.from_pretrained(target)
+    data = make_data_dir(tmp_path / "data", tok, target, n_train=40, n_heldout=2, seed=3, min_words=8, max_words=24)
+    ref = tmp_path / "ref"
+    capture(data, target, ref, CaptureSettings(**OPTS))
+    n_shards = len(list((ref / "train").glob("shard-*.safetensors")))
+    assert n_shards >= 10
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "nestling", "capture", str(data), "--target", str(target), "--out", str(out)]
+    cmd += [f"{k}={v}" for k, v in OPTS.items()]
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not list((out / "train").glob("shard-*.safetensors")):
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline, "no shard appeared"
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    proc.stderr.close()
+    assert not (out / "manifest.json").exists()
+    done = len(list((out / "train").glob("shard-*.safetensors")))
+    assert done < n_shards, "the run finished before it was killed; the test proves nothing"
+
+    m = capture(data, target, out, CaptureSettings(**OPTS))  # the rerun
+    assert json.loads((out / "train" / "index.json").read_text()) == json.loads((ref / "train" / "index.json").read_text())
+    assert store_files(out) == store_files(ref)
+    assert m["run_key"] == json.loads((ref / "manifest.json").read_text())["run_key"]
+    assert not list(out.rglob(".*.tmp"))
+
+
+def test_complete_capture_is_skipped_and_damaged_shard_redone(tiny_target, tmp_path, monkeypatch):
+    target = tiny_target("llama")
+    tok = AutoTokenizer.from_pretrained(target)
+    data = make_data_dir(tmp_path / "data", tok, target, n_train=6, n_heldout=0, seed=4)
+    out = tmp_path / "out"
+    capture(data, target, out, CaptureSettings(**OPTS))
+    before = store_files(out)
+    import nestling.capture.run as run
+
+    def no_model(*a, **k):
+        raise AssertionError("a complete capture must not load the model")
+
+    monkeypatch.setattr(run, "make_backend", no_model)
+    capture(data, target, out, CaptureSettings(**OPTS))
+    monkeypatch.undo()
+    # a shard that is not the planned one (here: truncated) is redone, the others are kept
+    shard = sorted((out / "train").glob("shard-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    capture(data, target, out, CaptureSettings(**OPTS))
+    assert store_files(out) == before
