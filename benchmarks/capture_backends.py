@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--generic", action="store_true", help="also time the vllm backend's generic capture()")
     ap.add_argument("--token-budget", type=int, default=8192)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
-    ap.add_argument("--backends", default="hf,vllm")
+    ap.add_argument("--backends", default="vllm,hf")
     ap.add_argument("--json", type=Path, default=Path("capture_backends.json"))
     args = ap.parse_args()
 
@@ -129,6 +129,8 @@ def main() -> None:
             r = bench_vllm(target, layer_ids, settings, batches, samples, args.generic)
         r["tokens_per_s"] = n_tok / r["capture_s"]
         results[name] = r
+        print(f"[bench] {name}: load {r['load_s']:.1f} s, capture {r['capture_s']:.2f} s, "
+              f"{r['tokens_per_s']:.0f} tokens/s, load avg {os.getloadavg()}", flush=True)
     try:
         load_avg = os.getloadavg()
     except OSError:

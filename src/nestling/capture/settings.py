@@ -33,7 +33,7 @@ class CaptureSettings:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     max_model_len: int | None = None
-    vllm_kv_cache_gib: float = 1.0
+    vllm_kv_cache_gib: int = 1
     progress_interval: float = 5.0
 
     def __post_init__(self) -> None:

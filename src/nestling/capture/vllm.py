@@ -255,7 +255,7 @@ class _Engine:
     def __init__(self, target: Path, layer_ids: list[int], settings: CaptureSettings, max_model_len: int, extra: dict):
         on_cpu = _on_cpu(settings.device)
         if on_cpu:  # the CPU build sizes its KV cache from this variable (GiB), not from a memory fraction
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.vllm_kv_cache_gib))
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(settings.vllm_kv_cache_gib)))  # whole GiB
         from vllm import LLM
 
         self.llm = LLM(
