@@ -51,6 +51,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token-budget", dest="token_budget", type=int,
                    help="padded tokens per forward: batch size x longest sample (default 16384)")
     p.add_argument("--shard-size", dest="shard_size", help="bytes per shard, e.g. 1GB (default), 256MiB")
+    p.add_argument("--tensor-parallel-size", dest="tensor_parallel_size", type=int,
+                   help="vllm backend: GPUs per engine that split every layer (default 1)")
+    p.add_argument("--data-parallel-size", dest="data_parallel_size", type=int,
+                   help="vllm backend: engine replicas that split the samples (default 1)")
     p.add_argument("--ignore-disk-check", dest="ignore_disk_check", action="store_true", default=None,
                    help="start even when the free disk space is smaller than the capture")
     p.add_argument("--config", type=Path, help="YAML file of capture settings (flags and key=value override it)")
@@ -80,7 +84,8 @@ def main(args: argparse.Namespace) -> int:
     from nestling.config import load_settings
 
     given = {k: getattr(args, k) for k in ("backend", "dtype", "device", "device_map", "token_budget",
-                                           "shard_size", "ignore_disk_check")}
+                                           "shard_size", "ignore_disk_check", "tensor_parallel_size",
+                                           "data_parallel_size")}
     if args.layers:
         given["layers"] = args.layers
     settings = load_settings(CaptureSettings, args.config, args.extra, **given)

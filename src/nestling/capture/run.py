@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,6 +27,12 @@ from nestling.target.layers import default_capture_layers, num_layers, validate_
 from nestling.target.load import load_config, load_tokenizer, resolve_target, target_fingerprint, tokenizer_fingerprint
 
 # Settings that change the bytes of the store (device does not: it changes speed, not meaning).
+# How each backend arrives at the one stored meaning of the final state (HF hidden_states[L]).
+FINAL_STATE_SOURCE = {
+    "hf": "transformers: output of the target's final norm (HF hidden_states[L])",
+    "vllm": "vLLM extract_hidden_states id L (last layer output before the final norm) with the target's "
+            "final norm (model.norm.weight) applied by nestling's KV connector",
+}
 RESULT_KEYS = ("backend", "layers", "dtype", "token_budget", "shard_size")
 
 
@@ -179,6 +186,7 @@ def capture(data_dir: str | Path, target: str | Path, out: str | Path, settings:
     return write_manifest(
         out, "capture", to_dict(settings), inputs,
         run_key=run_key, layer_ids=layer_ids, aux_layer_ids=layer_ids[:-1], final_state="post_norm",
+        final_state_source=FINAL_STATE_SOURCE[settings.backend],
         dtype=settings.dtype, hidden_size=hidden_size, num_layers=L, vocab_size=vocab_size,
         bytes_per_token=bpt, target=str(target_dir), data_dir=str(data_dir.resolve()), splits=stats,
     )
@@ -186,6 +194,9 @@ def capture(data_dir: str | Path, target: str | Path, out: str | Path, settings:
 
 def _run(todo: dict[str, list[ShardPlan]], target_dir: Path, layer_ids: list[int], hidden_size: int,
          dtype: torch.dtype, out: Path, settings: CaptureSettings, run_key: str) -> None:
+    if settings.max_model_len is None:  # an engine that sizes itself up front (vllm) needs the longest sample
+        longest = max(len(s.input_ids) for plans in todo.values() for p in plans for s in p.samples)
+        settings = replace(settings, max_model_len=longest)
     backend = make_backend(settings.backend, target_dir, layer_ids, settings)
     try:
         if backend.hidden_size != hidden_size:
@@ -207,6 +218,10 @@ def write_shards(todo: dict[str, list[ShardPlan]], backend, out: Path, settings:
             prog = Progress(f"capture {split}", total=sum(len(p.samples) for p in plans), unit="samples",
                             interval=settings.progress_interval)
             for plan in plans:
+                if getattr(backend, "writes_shards", False):  # the engine fills the shard file itself (vllm)
+                    backend.write_shard(out / split / shard_name(plan.index), plan, meta, settings.token_budget,
+                                        lambda b: prog.update(len(b), tokens=sum(len(s.input_ids) for s in b)))
+                    continue
                 writer.begin(out / split / shard_name(plan.index), plan, n_ids, H, backend.dtype, meta)
                 for batch in batches(plan.samples, settings.token_budget):
                     hidden = backend.capture([s.input_ids for s in batch])

@@ -16,7 +16,9 @@ class CaptureSettings:
     `layers` None means DESIGN.md's default `[2, L//2, L-3]` plus the final state L. `token_budget`
     bounds padded tokens per forward (batch size x longest sample). `shard_size` is in bytes or with
     a unit (`1GB`, `512MiB`). `dtype` auto is bfloat16 on a GPU and float32 on a CPU (CPUs without
-    bf16 matrix units run bf16 tens of times slower).
+    bf16 matrix units run bf16 tens of times slower). The vllm backend also reads
+    `tensor_parallel_size`, `data_parallel_size`, `max_model_len` (None: the longest sample to capture)
+    and `vllm_kv_cache_gib` (the CPU build's KV cache size, VLLM_CPU_KVCACHE_SPACE).
     """
 
     backend: Literal["hf", "vllm"] = "hf"
@@ -28,11 +30,17 @@ class CaptureSettings:
     shard_size: str = "1GB"
     ignore_disk_check: bool = False
     queue_size: int = 4
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    max_model_len: int | None = None
+    vllm_kv_cache_gib: int = 1
     progress_interval: float = 5.0
 
     def __post_init__(self) -> None:
         if self.token_budget < 1:
             raise NestlingError(f"token_budget must be positive, got {self.token_budget}")
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise NestlingError("tensor_parallel_size and data_parallel_size must be at least 1")
         if self.queue_size < 1:
             raise NestlingError(f"queue_size must be at least 1, got {self.queue_size}")
         parse_size(self.shard_size)

@@ -1,0 +1,166 @@
+"""The vllm capture backend against the real vLLM CPU engine (no mocks).
+
+Every engine runs in a `nestling capture` subprocess (vLLM spawns workers, so `LLM` must not be
+created inside pytest's process). Parity with the hf backend pins vLLM's layer-id convention,
+including id 0 (embeddings) and id L (vLLM gives it before the final norm; the connector applies it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from capture_data import make_data_dir
+from nestling.capture.run import capture
+from nestling.capture.settings import CaptureSettings
+from nestling.capture.store import CaptureDataset, shard_key
+from nestling.capture.verify import verify
+from nestling.capture.vllm import TESTED_VLLM, check_vllm_version, installed_vllm_version
+from nestling.errors import NestlingError
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+LAYERS = "0,2,5,6"  # the tiny llama has 6 layers: embeddings, two aux, and the final state
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
+    # VLLM_CPU_KVCACHE_SPACE is left to the backend (vllm_kv_cache_gib), so its own setting is exercised
+    return env
+
+
+def _cli(data: Path, target: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "nestling", "capture", str(data), *extra, "--target", str(target), "--out", str(out),
+            "--backend", "vllm", "--device", "cpu", "--dtype", "float32", "--layers", LAYERS]
+
+
+def _data(tmp_path: Path, target: Path, n_train: int, n_heldout: int, **kw) -> Path:
+    return make_data_dir(tmp_path / "data", AutoTokenizer.from_pretrained(target), target,
+                         n_train=n_train, n_heldout=n_heldout, seed=3, **kw)
+
+
+@pytest.mark.vllm
+def test_vllm_shards_equal_hf_shards(tiny_target, tmp_path):
+    target = tiny_target("llama")
+    data = _data(tmp_path, target, n_train=10, n_heldout=3, min_words=1, max_words=60)
+    # small shards and budget: several shards per split, several engine batches per shard
+    opts = ("token_budget=256", "shard_size=200KB", "progress_interval=60")
+    r = subprocess.run(_cli(data, target, tmp_path / "vllm", *opts), env=_env(), capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    hf = capture(data, target, tmp_path / "hf", CaptureSettings(
+        backend="hf", device="cpu", dtype="float32", layers=[int(x) for x in LAYERS.split(",")],
+        token_budget=256, shard_size="200KB", progress_interval=60))
+    vm = json.loads((tmp_path / "vllm" / "manifest.json").read_text())
+    assert vm["final_state"] == "post_norm" and "final norm" in vm["final_state_source"]
+    assert vm["layer_ids"] == hf["layer_ids"] == [0, 2, 5, 6]
+    assert verify(tmp_path / "vllm") == []
+    n_shards = 0
+    for split in ("train", "heldout"):
+        v, h = CaptureDataset(tmp_path / "vllm", split), CaptureDataset(tmp_path / "hf", split)
+        assert [e["sample_id"] for e in v.index] == [e["sample_id"] for e in h.index]
+        n_shards += len({e["shard"] for e in v.index})
+        lengths = set()
+        for i in range(len(v)):
+            a, b = v[i], h[i]
+            assert a["sample_id"] == b["sample_id"]
+            assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+            torch.testing.assert_close(a["aux"], b["aux"], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(a["final"], b["final"], atol=1e-4, rtol=1e-4)
+            lengths.add(len(a["input_ids"]))
+        assert len(lengths) > 2  # varied lengths, really
+    assert n_shards >= 4
+
+
+@pytest.mark.vllm
+def test_kill_during_vllm_capture_then_resume(tiny_target, tmp_path):
+    target = tiny_target("llama")
+    data = _data(tmp_path, target, n_train=40, n_heldout=0)
+    out = tmp_path / "cap"
+    # ~one sample per shard: many shards, so the kill lands with some complete and one in flight
+    opts = ("token_budget=256", "shard_size=40KB", "progress_interval=60")
+    log = open(tmp_path / "first.log", "w")
+    p = subprocess.Popen(_cli(data, target, out, *opts), env=_env(), stdout=log, stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    first = out / "train" / "shard-00000.safetensors"
+    deadline = time.time() + 900
+    while not first.exists() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    os.killpg(p.pid, signal.SIGKILL)  # the CLI, its engine core and its worker: a machine crash
+    p.wait()
+    log.close()
+    assert first.exists(), (tmp_path / "first.log").read_text()[-3000:]
+    kept = {f.name: (f.stat().st_ino, f.stat().st_mtime_ns) for f in (out / "train").glob("shard-*.safetensors")}
+    n_total = 40  # upper bound on shards; the first run must have stopped short of the end
+    assert not (out / "manifest.json").exists()
+    assert len(kept) < n_total
+
+    r = subprocess.run(_cli(data, target, out, *opts), env=_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert verify(out) == []
+    shards = sorted((out / "train").glob("shard-*.safetensors"))
+    assert len(shards) > len(kept)  # the rerun wrote what the kill cut off
+    assert not list((out / "train").glob(".shard-*.tmp"))
+    for f in shards:
+        if f.name in kept:  # complete shards were kept, not rewritten
+            assert (f.stat().st_ino, f.stat().st_mtime_ns) == kept[f.name]
+        assert shard_key(f) is not None
+    ds = CaptureDataset(out, "train")
+    assert len(ds) == 40 and all(ds[i]["final"].abs().sum() > 0 for i in range(len(ds)))
+
+
+def test_refuses_mla_target(tiny_target, tmp_path):
+    target = tiny_target("deepseek_v3")
+    data = _data(tmp_path, target, n_train=2, n_heldout=0)
+    with pytest.raises(NestlingError, match=r"MLA.*--backend hf"):
+        capture(data, target, tmp_path / "cap", CaptureSettings(backend="vllm", device="cpu", progress_interval=60))
+    assert not (tmp_path / "cap" / "manifest.json").exists()
+
+
+def test_refuses_mla_target_cli_without_traceback(tiny_target, tmp_path):
+    target = tiny_target("deepseek_v3")
+    data = _data(tmp_path, target, n_train=2, n_heldout=0)
+    r = subprocess.run(_cli(data, target, tmp_path / "cap"), env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert "MLA" in r.stderr and "device_map" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("version,ok", [("0.32.0", True), ("0.32.4", True), ("0.31.9", False), ("0.33.0", False),
+                                        ("1.0.0", False), ("0.32.0+cpu", True), ("0.32.0rc1", False), ("0.10.1", False)])
+def test_vllm_version_range(version, ok):
+    if ok:
+        check_vllm_version(version)
+    else:
+        with pytest.raises(NestlingError, match=rf"tested with vLLM >= {TESTED_VLLM[0]}.*{version}.*--backend hf"):
+            check_vllm_version(version)
+
+
+def test_installed_vllm_is_in_tested_range():
+    check_vllm_version(installed_vllm_version())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_connector_final_norm_matches_transformers(dtype):
+    """The norm the connector applies to vLLM's pre-norm id L is transformers' own, bit for bit in bf16."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from nestling.capture.vllm_connector import rms_norm
+
+    torch.manual_seed(0)
+    x = (torch.randn(7, 64) * 3).to(dtype)
+    llama, gemma = LlamaRMSNorm(64, eps=1e-5).to(dtype), Gemma3RMSNorm(64, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        llama.weight.normal_(1.0, 0.2)
+        gemma.weight.normal_(0.0, 0.2)
+        assert torch.equal(rms_norm(x, llama.weight.float(), 1e-5, False), llama(x))
+        assert torch.equal(rms_norm(x, gemma.weight.float(), 1e-6, True), gemma(x))
