@@ -48,9 +48,9 @@ def test_output_folder(trained, capture, tiny_target):
     vocab = load_file(str(trained / "vocab.safetensors"))
     assert torch.equal(w["d2t"], vocab["d2t"]) and torch.equal(w["t2d"], vocab["t2d"])
     # the draft vocabulary is the most frequent supervised tokens
-    from nestling.train.data import _read_capture
+    from nestling.capture.store import CaptureDataset
 
-    sup = torch.cat([it["input_ids"][it["loss_mask"]] for it in _read_capture(capture, "train")])
+    sup = torch.cat([it["input_ids"][it["loss_mask"]] for it in CaptureDataset(capture, "train")])
     top = torch.bincount(sup, minlength=49152).argsort(descending=True)[:20]
     assert vocab["t2d"][top].all()
     # the export/eval engineer's loader takes the final weights as they are

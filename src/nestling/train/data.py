@@ -7,7 +7,6 @@ continue exactly where it stopped, on any number of ranks.
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 from collections.abc import Callable
@@ -19,55 +18,19 @@ import torch
 from nestling.errors import NestlingError
 from nestling.train.ttt import PackedBatch
 
-try:  # the capture stage's reader; the minimal one below stands in until it exists
-    from nestling.capture.store import CaptureDataset
-except ImportError:  # pragma: no cover - depends on which stages are installed
-    CaptureDataset = None
-
-
-class _read_capture(torch.utils.data.Dataset):
-    """Minimal memory-mapped reader of docs/formats.md capture shards (same items as CaptureDataset)."""
-
-    def __init__(self, capture_dir: Path, split: str):
-        from safetensors import safe_open
-
-        self.dir = Path(capture_dir) / split
-        self.index = read_index(capture_dir, split)
-        self._files = {}
-        self._open = safe_open
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def _file(self, name: str):
-        if name not in self._files:
-            path = self.dir / name
-            if not path.exists():
-                raise NestlingError(f"capture shard {path} is missing; run `nestling capture` again")
-            self._files[name] = self._open(str(path), "pt")
-        return self._files[name]
-
-    def __getitem__(self, i: int) -> dict:
-        e = self.index[i]
-        f = self._file(e["shard"])
-        a, b = e["offset"], e["offset"] + e["length"]
-        hidden = f.get_slice("hidden")[a:b]
-        return {"sample_id": e["sample_id"], "input_ids": f.get_slice("input_ids")[a:b].long(),
-                "loss_mask": f.get_slice("loss_mask")[a:b].bool(),
-                "aux": hidden[:, :-1].reshape(hidden.shape[0], -1), "final": hidden[:, -1]}
+from nestling.capture.store import INDEX, CaptureDataset
+from nestling.capture.store import read_index as _store_read_index
 
 
 def read_index(capture_dir: Path, split: str) -> list[dict]:
-    path = Path(capture_dir) / split / "index.json"
-    if not path.exists():
+    """The split's index, or [] when the capture has no such split (a run without held-out data)."""
+    if not (Path(capture_dir) / split / INDEX).exists():
         return []
-    return json.loads(path.read_text())
+    return _store_read_index(capture_dir, split)
 
 
-def capture_dataset(capture_dir: Path, split: str):
-    if CaptureDataset is not None:
-        return CaptureDataset(capture_dir, split)
-    return _read_capture(capture_dir, split)
+def capture_dataset(capture_dir: Path, split: str) -> CaptureDataset:
+    return CaptureDataset(capture_dir, split)
 
 
 # ---- packing --------------------------------------------------------------------------------------
