@@ -88,7 +88,11 @@ def greedy_sequences(target: Path, prompt_ids: list[list[int]], new_tokens: int)
 def fit_step0(target: Path, prompt_ids: list[list[int]], aux_ids: list[int] | None = None, steps: int = 300,
               new_tokens: int = 64, draft_vocab_size: int = 1024, lr: float = 2e-3, seed: int = 0) -> Eagle3Draft:
     """Fit a draft on step-0 prediction: input (tok[t+1], fc(aux[t])) at position t -> target argmax at t+1."""
+    import time
+
+    t0 = time.perf_counter()
     seqs, model = greedy_sequences(target, prompt_ids, new_tokens)
+    print(f"[fit] teacher sequences {time.perf_counter() - t0:.1f}s", flush=True)
     with torch.no_grad():
         feats, teach = [], []
         for s in seqs:
@@ -108,7 +112,9 @@ def fit_step0(target: Path, prompt_ids: list[list[int]], aux_ids: list[int] | No
         batch.append((s[1:][None], aux[:-1][None], torch.arange(T - 1)[None], lab))
     params = [p for n, p in draft.named_parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=lr)
-    for _ in range(steps):
+    for it in range(steps):
+        if it % 50 == 0:
+            print(f"[fit] step {it} {time.perf_counter() - t0:.1f}s", flush=True)
         opt.zero_grad()
         loss = 0.0
         for tok, aux, pos, lab in batch:

