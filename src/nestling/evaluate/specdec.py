@@ -85,7 +85,10 @@ class TargetRunner:
         return out.logits[0].float(), aux
 
     def crop(self, length: int) -> None:
-        self.cache.crop(length)
+        """Keep the first `length` positions (transformers 5: a negative crop removes that many)."""
+        extra = len(self) - length
+        if extra > 0:
+            self.cache.crop(-extra)
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
