@@ -1,0 +1,51 @@
+"""The eval report: JSON (everything), a Markdown table, a PNG of per-position acceptance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nestling.manifest import atomic_write_json
+
+
+def markdown(report: dict) -> str:
+    rows = ["| engine | acceptance length | " + " | ".join(f"pos {i + 1}" for i in range(report["k"]))
+            + " | tok/s draft | tok/s target alone | speedup | greedy identical |",
+            "|---|---|" + "---|" * report["k"] + "---|---|---|---|"]
+    for name, r in report["engines"].items():
+        pos = " | ".join(f"{p:.3f}" for p in r["per_position"])
+        same = r.get("identical_share")
+        rows.append(f"| {name} | {r['acceptance_length']:.3f} | {pos} | {r['tokens_per_s']:.1f} | "
+                    f"{r.get('baseline_tokens_per_s', float('nan')):.1f} | {r.get('speedup', float('nan')):.2f} | "
+                    f"{'-' if same is None else f'{100 * same:.0f}%'} |")
+    head = (f"# nestling eval\n\ndraft `{report['draft']}` on target `{report['target']}`, k={report['k']}, "
+            f"{report['num_prompts']} prompts, {report['max_new_tokens']} new tokens max, "
+            f"temperature {report['temperature']}\n\n")
+    return head + "\n".join(rows) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
+    xs = list(range(1, report["k"] + 1))
+    for name, r in report["engines"].items():
+        ax.plot(xs, r["per_position"], marker="o", label=f"{name} (AL {r['acceptance_length']:.2f})")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_xticks(xs)
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_report(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "report.json", report)
+    (out / "report.md").write_text(markdown(report))
+    plot(report, out / "acceptance.png")

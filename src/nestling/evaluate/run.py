@@ -1,0 +1,136 @@
+"""`nestling eval`: acceptance of an exported draft, by the reference decoder or the real vLLM engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from nestling.config import to_dict
+from nestling.errors import NestlingError
+from nestling.manifest import write_manifest
+from nestling.progress import Progress, log
+
+
+@dataclass
+class EvalSettings:
+    k: int = 3  # draft tokens per target forward
+    engine: Literal["reference", "vllm", "both"] = "reference"
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    max_prompts: int | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # fp32: greedy with/without draft identical
+    device: str = "cpu"  # reference decoder only
+    seed: int = 0
+    max_model_len: int = 2048  # vLLM
+    baseline: bool = True  # also run the target alone (tokens/s without the draft, identical-output share)
+
+
+def _eos_ids(target: Path, tokenizer) -> list[int]:
+    from transformers import GenerationConfig
+
+    ids = set()
+    try:
+        g = GenerationConfig.from_pretrained(target).eos_token_id
+        ids.update(g if isinstance(g, list) else [g] if g is not None else [])
+    except OSError:
+        pass
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def run_reference(target: Path, draft_dir: Path, prompts: list[list[int]], s: EvalSettings,
+                  aux_layer_ids: list[int] | None = None) -> dict:
+    """The PyTorch reference decoder over all prompts (and the target alone for the baseline)."""
+    import torch
+
+    from nestling.evaluate.specdec import SpecDecoder, SpecStats, load_draft, target_generate
+    from nestling.target.load import load_model, load_tokenizer
+
+    model = load_model(target, dtype=s.dtype, device=s.device)
+    dtype = getattr(torch, s.dtype)
+    draft = load_draft(draft_dir, model, dtype)
+    eos = _eos_ids(target, load_tokenizer(target))
+    dec = SpecDecoder(model, draft, s.k, s.temperature, eos, aux_layer_ids)
+    total = SpecStats(s.k)
+    outs, base_outs, base_s = [], [], 0.0
+    prog = Progress("eval reference", total=len(prompts), unit="prompts")
+    for i, p in enumerate(prompts):
+        o, st = dec.generate(p, s.max_new_tokens, seed=s.seed + i)
+        outs.append(o)
+        total.add(st)
+        if s.baseline:
+            b, dt = target_generate(model, p, s.max_new_tokens, s.temperature, eos, seed=s.seed + i)
+            base_outs.append(b)
+            base_s += dt
+        prog.update(1, tokens=len(o), acc_len=total.acceptance_length)
+    r = {
+        "acceptance_length": total.acceptance_length, "per_position": total.per_position,
+        "num_drafts": total.num_drafts, "num_draft_tokens": total.num_draft_tokens,
+        "num_accepted_tokens": total.num_accepted_tokens, "accepted_per_pos": total.accepted_per_pos,
+        "tokens": total.new_tokens, "seconds": total.seconds,
+        "tokens_per_s": total.new_tokens / max(total.seconds, 1e-9),
+        "mean_tokens_per_target_forward": total.new_tokens / max(total.target_forwards, 1),
+        "outputs": outs,
+    }
+    if s.baseline:
+        r.update(_baseline(r, base_outs, base_s))
+    return r
+
+
+def _baseline(r: dict, base_outs: list[list[int]], base_s: float) -> dict:
+    tokens = sum(map(len, base_outs))
+    tps = tokens / max(base_s, 1e-9)
+    out = {"baseline_tokens_per_s": tps, "speedup": r["tokens_per_s"] / max(tps, 1e-9), "baseline_outputs": base_outs}
+    out["identical_share"] = sum(a == b for a, b in zip(r["outputs"], base_outs)) / max(len(base_outs), 1)
+    return out
+
+
+def run_vllm_engine(target: Path, draft_dir: Path, prompts: list[list[int]], s: EvalSettings) -> dict:
+    from nestling.evaluate.vllm_engine import run_vllm
+
+    res = run_vllm(target, draft_dir, prompts, s.k, s.max_new_tokens, s.temperature, s.dtype,
+                   s.max_model_len, s.seed, s.baseline)
+    d = res["drafts"][0]
+    r = {k: d[k] for k in ("acceptance_length", "per_position", "num_drafts", "num_draft_tokens",
+                           "num_accepted_tokens", "accepted_per_pos", "outputs", "seconds", "tokens")}
+    r["tokens_per_s"] = d["tokens"] / max(d["seconds"], 1e-9)
+    if "baseline" in res:
+        b = res["baseline"]
+        r.update(_baseline(r, b["outputs"], b["seconds"]))
+    return r
+
+
+def evaluate(draft_dir: str | Path, target: str | Path, prompts: str | Path, out: str | Path,
+             settings: EvalSettings | None = None) -> dict:
+    """Evaluate `draft_dir` on `target` over `prompts`; writes report.json/.md, acceptance.png, manifest."""
+    from nestling.export.eagle3 import check_draft_matches_target
+    from nestling.evaluate.prompts import load_prompts
+    from nestling.evaluate.report import write_report
+    from nestling.target.load import load_tokenizer, resolve_target, target_fingerprint
+
+    s = settings or EvalSettings()
+    if s.k < 1:
+        raise NestlingError(f"k must be at least 1 (got {s.k})")
+    draft_dir, out = Path(draft_dir), Path(out)
+    target_dir = resolve_target(target)
+    check_draft_matches_target(draft_dir, target_dir)
+    tok = load_tokenizer(target_dir)
+    ids = load_prompts(prompts, tok, s.max_prompts)
+    log(f"[eval] {len(ids)} prompts, k={s.k}, engine={s.engine}, temperature={s.temperature}")
+    engines: dict[str, dict] = {}
+    if s.engine in ("reference", "both"):
+        engines["reference"] = run_reference(target_dir, draft_dir, ids, s)
+    if s.engine in ("vllm", "both"):
+        engines["vllm"] = run_vllm_engine(target_dir, draft_dir, ids, s)
+    report = {"draft": str(draft_dir), "target": str(target_dir), "k": s.k, "num_prompts": len(ids),
+              "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "settings": to_dict(s),
+              "engines": engines}
+    write_report(report, out)
+    for name, r in engines.items():
+        log(f"[eval] {name}: acceptance length {r['acceptance_length']:.3f}, per position "
+            f"{', '.join(f'{p:.2f}' for p in r['per_position'])}, {r['tokens_per_s']:.1f} tok/s")
+    write_manifest(out, "eval", to_dict(s), inputs={"target": target_fingerprint(target_dir), "draft": str(draft_dir)},
+                   summary={n: {"acceptance_length": r["acceptance_length"]} for n, r in engines.items()})
+    return report

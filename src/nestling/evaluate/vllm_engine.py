@@ -1,0 +1,58 @@
+"""The real vLLM engine (CPU build here, the ordinary package on GPUs), run in a subprocess.
+
+`vllm_worker.py` does the work; this side writes its spec, starts it with the environment the
+CPU build needs, and turns vLLM's spec-decode counters into the report's numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from nestling.errors import NestlingError
+from nestling.progress import log
+
+
+def run_vllm(target: Path, draft: Path | list[Path], prompts: list[list[int]], k: int, max_new_tokens: int,
+             temperature: float = 0.0, dtype: str = "float32", max_model_len: int = 2048, seed: int = 0,
+             baseline: bool = True, kv_cache_gib: float = 1.0, timeout: float = 1800) -> dict:
+    """Run target alone (if `baseline`) and target + each draft: {"baseline": ..., "drafts": [...]}."""
+    drafts = [str(d) for d in (draft if isinstance(draft, list) else [draft])]
+    spec = dict(target=str(target), drafts=drafts, k=k, prompts=prompts, max_new_tokens=max_new_tokens,
+                temperature=temperature, dtype=dtype, max_model_len=max_model_len, seed=seed, baseline=baseline)
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory(prefix="nestling-vllm-") as tmp:
+        spec_path, res_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec_path.write_text(json.dumps(spec))
+        log(f"[eval] starting vLLM ({'baseline + ' if baseline else ''}draft, k={k}) in a subprocess ...")
+        proc = subprocess.run([sys.executable, "-m", "nestling.evaluate.vllm_worker", str(spec_path), str(res_path)],
+                              env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0 or not res_path.exists():
+            raise NestlingError("vLLM failed (is vllm installed? on CPU: the vllm-cpu package):\n"
+                                + (proc.stderr or proc.stdout)[-4000:])
+        res = json.loads(res_path.read_text())
+    for d in res["drafts"]:
+        d.update(summarize_metrics(d["metrics"], k))
+    return res
+
+
+def summarize_metrics(m: dict, k: int) -> dict:
+    """vLLM's counters -> acceptance length (1 + accepted / drafts) and per-position rates."""
+    drafts = m.get("num_drafts", 0.0)
+    if not drafts:
+        raise NestlingError(f"vLLM reported no spec-decode drafts (metrics: {sorted(m)}); was the draft loaded?")
+    per_pos = m.get("num_accepted_tokens_per_pos", [0.0] * k)
+    return {
+        "num_drafts": int(drafts), "num_draft_tokens": int(m.get("num_draft_tokens", 0)),
+        "num_accepted_tokens": int(m.get("num_accepted_tokens", 0)),
+        "accepted_per_pos": [int(x) for x in per_pos],
+        "acceptance_length": 1.0 + m.get("num_accepted_tokens", 0.0) / drafts,
+        "per_position": [x / drafts for x in per_pos],
+    }

@@ -1,0 +1,75 @@
+"""Runs in its own process (`python -m nestling.evaluate.vllm_worker SPEC.json RESULT.json`).
+
+vLLM spawns worker processes and keeps global state (Prometheus registry, distributed env), so
+the engine never runs inside the caller. The spec holds token ids already rendered with the
+chat template, so the reference decoder and vLLM see the very same prompts.
+One process runs the target alone (baseline) and then target + each draft in turn (startup is
+the cost, so tests share one process); the spec-decode counters come from `LLM.get_metrics()`.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+
+
+def _metrics(llm) -> dict:
+    out: dict = {}
+    for m in llm.get_metrics():
+        if not m.name.startswith("vllm:spec_decode"):
+            continue
+        name = m.name.removeprefix("vllm:spec_decode_").removesuffix("_total")
+        if hasattr(m, "values"):
+            out[name] = [float(v) for v in m.values]
+        elif hasattr(m, "value"):
+            out[name] = float(m.value)
+    return out
+
+
+def _generate(llm, prompts: list[list[int]], params) -> tuple[list[list[int]], float]:
+    t0 = time.perf_counter()
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    return [list(r.outputs[0].token_ids) for r in res], dt
+
+
+def run(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=spec["max_new_tokens"], temperature=spec["temperature"],
+                            seed=spec.get("seed", 0), ignore_eos=spec.get("ignore_eos", False))
+    common = dict(model=spec["target"], tokenizer=spec["target"], dtype=spec["dtype"],
+                  max_model_len=spec["max_model_len"], enforce_eager=True, seed=spec.get("seed", 0),
+                  disable_log_stats=False, max_num_seqs=spec.get("max_num_seqs", 8))
+    result: dict = {}
+    if spec.get("baseline", True):
+        llm = LLM(**common)
+        _generate(llm, spec["prompts"][:1], params)  # warm-up: first call compiles / allocates
+        outs, dt = _generate(llm, spec["prompts"], params)
+        result["baseline"] = {"outputs": outs, "seconds": dt, "tokens": sum(map(len, outs))}
+        del llm
+        gc.collect()
+    result["drafts"] = []
+    for draft in spec.get("drafts") or [spec["draft"]]:  # one engine per draft; the metrics registry is per process: diff it
+        llm = LLM(**common, speculative_config={"method": "eagle3", "model": draft,
+                                                "num_speculative_tokens": spec["k"]})
+        _generate(llm, spec["prompts"][:1], params)
+        before = _metrics(llm)
+        outs, dt = _generate(llm, spec["prompts"], params)
+        after = _metrics(llm)
+        diff = {k: ([a - b for a, b in zip(v, before.get(k, [0.0] * len(v)))] if isinstance(v, list)
+                    else v - before.get(k, 0.0)) for k, v in after.items()}
+        result["drafts"].append({"draft": draft, "outputs": outs, "seconds": dt, "tokens": sum(map(len, outs)),
+                                 "metrics": diff})
+        del llm
+        gc.collect()
+    return result
+
+
+if __name__ == "__main__":
+    spec = json.loads(open(sys.argv[1]).read())
+    res = run(spec)
+    with open(sys.argv[2], "w") as f:
+        json.dump(res, f)

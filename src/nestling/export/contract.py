@@ -1,0 +1,194 @@
+"""The export contract: the one place that lists what an exported draft folder holds.
+
+Engines load the folder untouched, so every name, shape and dtype here is what vLLM's
+`llama_eagle3.py` and SGLang's `llama_eagle3.py` read. Both the writer (`eagle3.py`) and the
+checker after writing use these functions; so do the tests that stand in for SGLang.
+
+Layer ids. nestling uses Hugging Face `hidden_states` indexing (id k = input of decoder layer k).
+- vLLM (`EagleModelMixin._maybe_add_hidden_state`): id 0 is the embedding output, id k>0 is
+  `hidden_states + residual` after layer k-1, i.e. HF `hidden_states[k]`: the same ids.
+- SGLang (`set_eagle3_layers_to_capture`): `layers_to_capture = [id + 1 ...]`, captured at the
+  *input* of that layer, so SGLang's id k is HF `hidden_states[k + 1]`: ids are one lower.
+vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` first (gpu_model_runner,
+`_get_eagle3_aux_layers_from_config`); SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids`.
+The folder therefore carries both, each in its engine's own convention.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from nestling.draft.model import DraftConfig
+from nestling.errors import NestlingError
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def vllm_layer_ids(aux_ids: list[int]) -> list[int]:
+    """nestling (HF hidden_states) ids -> vLLM's eagle_aux_hidden_state_layer_ids (identical)."""
+    return [int(i) for i in aux_ids]
+
+
+def sglang_layer_ids(aux_ids: list[int]) -> list[int]:
+    """nestling ids -> SGLang's ids (SGLang adds one before capturing at a layer's input)."""
+    return [int(i) - 1 for i in aux_ids]
+
+
+def nestling_ids_from_sglang(ids: list[int]) -> list[int]:
+    return [int(i) + 1 for i in ids]
+
+
+def expected_tensors(c: DraftConfig, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) of every tensor in model.safetensors; nothing more, nothing less."""
+    H, I = c.hidden_size, c.intermediate_size
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    n_aux = len(c.aux_layer_ids)
+    m = "midlayer."
+    out = {
+        "fc.weight": ((H, n_aux * H), dtype),
+        m + "input_layernorm.weight": ((H,), dtype),
+        m + "hidden_norm.weight": ((H,), dtype),
+        m + "post_attention_layernorm.weight": ((H,), dtype),
+        m + "self_attn.q_proj.weight": ((q, 2 * H), dtype),  # embedding half first, then hidden
+        m + "self_attn.k_proj.weight": ((kv, 2 * H), dtype),
+        m + "self_attn.v_proj.weight": ((kv, 2 * H), dtype),
+        m + "self_attn.o_proj.weight": ((H, q), dtype),
+        m + "mlp.gate_proj.weight": ((I, H), dtype),
+        m + "mlp.up_proj.weight": ((I, H), dtype),
+        m + "mlp.down_proj.weight": ((H, I), dtype),
+        "norm.weight": ((H,), dtype),
+        "lm_head.weight": ((c.draft_vocab_size, H), dtype),
+        "d2t": ((c.draft_vocab_size,), torch.int64),
+        "t2d": ((c.vocab_size,), torch.bool),
+    }
+    return out
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], c: DraftConfig, dtype: torch.dtype, where: str = "") -> None:
+    """Raise NestlingError naming every tensor whose name, shape or dtype breaks the contract."""
+    want = expected_tensors(c, dtype)
+    problems = [f"missing {n}" for n in want if n not in tensors]
+    problems += [f"unexpected {n}" for n in tensors if n not in want]
+    for n, (shape, dt) in want.items():
+        if n in tensors:
+            t = tensors[n]
+            if tuple(t.shape) != shape or t.dtype != dt:
+                problems.append(f"{n}: {tuple(t.shape)} {t.dtype}, contract says {shape} {dt}")
+    if "d2t" in tensors and "t2d" in tensors and not problems:
+        target_ids = torch.arange(c.draft_vocab_size) + tensors["d2t"]
+        if int(tensors["t2d"].sum()) != c.draft_vocab_size or not bool(tensors["t2d"][target_ids].all()):
+            problems.append("d2t and t2d disagree: t2d must be True exactly at arange(draft_vocab)+d2t")
+    if problems:
+        raise NestlingError(f"{where or 'draft weights'} break the export contract: " + "; ".join(problems))
+
+
+def native_config(c: DraftConfig, target_config: dict, dtype: str) -> dict:
+    """config.json of the native EAGLE-3 folder (what vLLM and SGLang read)."""
+    rope = target_config.get("rope_parameters") or dict(c.rope_parameters)
+    rope_theta = target_config.get("rope_theta", rope.get("rope_theta", 10000.0))
+    rope_scaling = target_config.get("rope_scaling")
+    if rope_scaling is None and rope.get("rope_type", "default") != "default":
+        rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": c.hidden_size,
+        "target_hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": c.hidden_act,
+        "rms_norm_eps": c.rms_norm_eps,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rope_parameters": rope,
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": int(target_config.get("max_position_embeddings", c.max_position_embeddings)),
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "tie_word_embeddings": False,
+        # the residual is taken from fc(aux) before hidden_norm (vLLM: norm_before_residual=False)
+        "norm_before_residual": False,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+        "bos_token_id": target_config.get("bos_token_id"),
+        "eos_token_id": target_config.get("eos_token_id"),
+        "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(c.aux_layer_ids),
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": sglang_layer_ids(c.aux_layer_ids),
+            "use_aux_hidden_state": True,
+            "layer_id_convention": "sglang (HF hidden_states index - 1); top-level ids are vLLM's (= HF)",
+        },
+        "nestling": {
+            "aux_layer_ids": list(c.aux_layer_ids),
+            "layer_id_convention": "hf_hidden_states",
+            "num_target_layers": c.num_target_layers,
+            "target_fingerprint": c.target_fingerprint,
+            "target_model_type": c.target_model_type,
+        },
+    }
+
+
+def check_native_config(cfg: dict, c: DraftConfig, where: str = "config.json") -> None:
+    """The config fields the engines read, checked against the draft they describe."""
+    want = {
+        "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
+        "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
+        "tie_word_embeddings": False, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+        "intermediate_size": c.intermediate_size,
+        "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(c.aux_layer_ids),
+    }
+    bad = [f"{k}={cfg.get(k)!r} (want {v!r})" for k, v in want.items() if cfg.get(k) != v]
+    sg = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if sg != sglang_layer_ids(c.aux_layer_ids):
+        bad.append(f"eagle_config.eagle_aux_hidden_state_layer_ids={sg!r} (want {sglang_layer_ids(c.aux_layer_ids)!r})")
+    if bad:
+        raise NestlingError(f"{where} breaks the export contract: " + "; ".join(bad))
+
+
+def draft_config_from_native(cfg: dict) -> DraftConfig:
+    """Rebuild the DraftConfig of an exported folder (for eval and for the reload check)."""
+    n = cfg.get("nestling") or {}
+    if "aux_layer_ids" in n:
+        aux = list(n["aux_layer_ids"])
+    elif "eagle_aux_hidden_state_layer_ids" in cfg:
+        aux = list(cfg["eagle_aux_hidden_state_layer_ids"])  # vLLM ids = HF ids
+    else:
+        raise NestlingError("the draft config names no aux layer ids (eagle_aux_hidden_state_layer_ids)")
+    rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 10000.0))}
+    return DraftConfig(
+        hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+        num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+        vocab_size=cfg["vocab_size"], draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
+        aux_layer_ids=aux, num_target_layers=int(n.get("num_target_layers", 0)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_parameters=dict(rope),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        hidden_act=cfg.get("hidden_act", "silu"), target_fingerprint=n.get("target_fingerprint", ""),
+        target_model_type=n.get("target_model_type", "llama"),
+    )
+
+
+def read_draft_folder(folder: Path) -> tuple[dict, DraftConfig, dict[str, torch.Tensor]]:
+    """(engine config dict, DraftConfig, tensors) of a native or speculators export folder."""
+    import json
+
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not (folder / CONFIG).exists() or not (folder / WEIGHTS).exists():
+        raise NestlingError(f"{folder} is not an exported draft: it needs {CONFIG} and {WEIGHTS} (run `nestling export`)")
+    cfg = json.loads((folder / CONFIG).read_text())
+    layer_cfg = cfg
+    if "speculators_config" in cfg:  # speculators layout: the Llama layer config is nested
+        layer_cfg = {**cfg["transformer_layer_config"], **{k: v for k, v in cfg.items() if k != "transformer_layer_config"}}
+    return cfg, draft_config_from_native(layer_cfg), load_file(str(folder / WEIGHTS))

@@ -1,0 +1,146 @@
+"""`nestling export`: a training folder -> a draft folder vLLM and SGLang load untouched.
+
+Steps: check the checkpoint belongs to the target it names (fingerprint), write config.json +
+model.safetensors in the engines' layout (native EAGLE-3 or speculators), read the folder back
+and check every tensor and config field against `contract.py`, then write the manifest last.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from nestling.config import to_dict
+from nestling.draft.model import DraftConfig
+from nestling.draft.vocab import load_vocab
+from nestling.errors import NestlingError
+from nestling.export import contract
+from nestling.manifest import hash_files, read_manifest, write_manifest
+from nestling.progress import log
+
+
+@dataclass
+class ExportSettings:
+    format: Literal["eagle3", "speculators"] = "eagle3"
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # float weights; d2t/t2d keep theirs
+    num_speculative_tokens: int = 3  # written into the speculators layout (vllm serve DRAFT)
+    target: str | None = None  # where the target is now, if it moved since training (still fingerprinted)
+    checkpoint: str | None = None  # a checkpoints/step-N folder instead of the final model.safetensors
+
+
+def check_target(train_dir: Path, manifest: dict, cfg: DraftConfig, override: str | None) -> Path:
+    """The target named by the training folder, verified by fingerprint."""
+    from nestling.target.load import resolve_target, target_fingerprint
+
+    name = override or manifest.get("target") or cfg.target
+    if not name:
+        raise NestlingError(f"{train_dir}/manifest.json names no target; pass target=PATH")
+    if not Path(str(name)).exists():
+        raise NestlingError(f"the target this draft was trained on, {name}, is not there; "
+                            f"pass target=PATH (e.g. `nestling export {train_dir} --out DIR target=PATH`)")
+    path = resolve_target(name)
+    want = (manifest.get("inputs") or {}).get("target") or cfg.target_fingerprint
+    have = target_fingerprint(path)
+    if not want:
+        raise NestlingError(f"{train_dir}/manifest.json has no target fingerprint (inputs.target); cannot verify the checkpoint")
+    if have != want:
+        raise NestlingError(
+            f"the checkpoint in {train_dir} was trained on a target with fingerprint {want}, but {path} has "
+            f"fingerprint {have} (different config or weights). Export with the target it was trained on "
+            f"(target=PATH), or retrain on this one.")
+    return path
+
+
+def load_trained(train_dir: Path, checkpoint: str | None) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    cfg = DraftConfig.load(train_dir / "draft_config.json")
+    weights = Path(checkpoint) / "model.safetensors" if checkpoint else train_dir / "model.safetensors"
+    if not weights.exists():
+        raise NestlingError(f"{weights} is missing: training has not written a final model (run `nestling train` to the end)")
+    tensors = load_file(str(weights))
+    vocab = train_dir / "vocab.safetensors"
+    if vocab.exists():  # the vocabulary file is authoritative when both are present
+        d2t, t2d = load_vocab(vocab)
+        tensors["d2t"], tensors["t2d"] = d2t, t2d
+    return cfg, tensors
+
+
+def export(train_dir: str | Path, out: str | Path, settings: ExportSettings | None = None) -> Path:
+    """Export the draft in `train_dir` to `out`; returns `out`."""
+    from safetensors.torch import save_file
+
+    settings = settings or ExportSettings()
+    train_dir, out = Path(train_dir), Path(out)
+    manifest = read_manifest(train_dir, "train")
+    cfg, tensors = load_trained(train_dir, settings.checkpoint)
+    target = check_target(train_dir, manifest, cfg, settings.target)
+    if not cfg.target_fingerprint:
+        cfg.target_fingerprint = manifest["inputs"]["target"]
+    dtype = contract.FLOAT_DTYPES[settings.dtype]
+    tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
+    contract.check_tensors(tensors, cfg, dtype, where=f"{train_dir} weights")
+
+    target_cfg = json.loads((target / "config.json").read_text())
+    native = contract.native_config(cfg, target_cfg, settings.dtype)
+    if settings.format == "speculators":
+        from nestling.export.speculators import speculators_config
+
+        config = speculators_config(native, str(target.resolve()), target_cfg.get("architectures") or [],
+                                    settings.num_speculative_tokens)
+    else:
+        config = native
+
+    tmp = out.with_name(f".{out.name}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    (tmp / contract.CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(tmp / contract.WEIGHTS), metadata={"format": "pt"})
+    verify(tmp, cfg, dtype)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    write_manifest(
+        out, "export", to_dict(settings),
+        inputs={"target": cfg.target_fingerprint, "train": hash_files([train_dir / "manifest.json"])},
+        target=str(target), format=settings.format, aux_layer_ids=list(cfg.aux_layer_ids),
+        vllm_layer_ids=contract.vllm_layer_ids(cfg.aux_layer_ids),
+        sglang_layer_ids=contract.sglang_layer_ids(cfg.aux_layer_ids),
+    )
+    log(f"[export] wrote {settings.format} draft to {out} (aux layers: nestling/vLLM {cfg.aux_layer_ids}, "
+        f"SGLang {contract.sglang_layer_ids(cfg.aux_layer_ids)})")
+    return out
+
+
+def verify(folder: Path, cfg: DraftConfig, dtype: torch.dtype) -> None:
+    """Read the written folder back the way the engines will, and hold it to the contract."""
+    raw, reread, tensors = contract.read_draft_folder(folder)
+    layer = raw.get("transformer_layer_config", raw)
+    if "speculators_config" in raw:
+        contract.check_native_config({**layer, **{k: raw[k] for k in ("draft_vocab_size", "eagle_aux_hidden_state_layer_ids")},
+                                      "architectures": [contract.ARCHITECTURE]}, cfg, str(folder / contract.CONFIG))
+    else:
+        contract.check_native_config(raw, cfg, str(folder / contract.CONFIG))
+    if reread.aux_layer_ids != list(cfg.aux_layer_ids):
+        raise NestlingError(f"{folder}: aux layers read back as {reread.aux_layer_ids}, wrote {cfg.aux_layer_ids}")
+    contract.check_tensors(tensors, cfg, dtype, where=str(folder / contract.WEIGHTS))
+
+
+def check_draft_matches_target(draft_dir: Path, target: str | Path) -> None:
+    """Refuse a draft folder exported for another target (used by eval)."""
+    from nestling.target.load import target_fingerprint
+
+    raw, cfg, _ = contract.read_draft_folder(draft_dir)
+    want = cfg.target_fingerprint
+    if not want:
+        raise NestlingError(f"{draft_dir} carries no target fingerprint (not exported by nestling?)")
+    have = target_fingerprint(target)
+    if want != have:
+        raise NestlingError(f"the draft in {draft_dir} was trained for a target with fingerprint {want}, "
+                            f"but --target {target} has fingerprint {have}; evaluate it with its own target.")

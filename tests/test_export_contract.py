@@ -1,0 +1,108 @@
+"""Export: the folder holds exactly the contract's tensors and config, in both layouts; the layer
+ids are written in each engine's convention; a checkpoint from another target is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle_helpers import make_train_dir, new_draft
+from nestling.errors import NestlingError
+from nestling.export import ExportSettings, export
+from nestling.export import contract
+
+AUX = [1, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def train_dir(tiny_target, tmp_path_factory):
+    draft = new_draft(tiny_target("llama"), AUX, draft_vocab_size=512, vocab_tokens=torch.arange(1000, 3000))
+    return make_train_dir(draft, tmp_path_factory.mktemp("train") / "t")
+
+
+def test_native_folder_matches_contract(train_dir, tiny_target, tmp_path):
+    out = export(train_dir, tmp_path / "d")
+    cfg = json.loads((out / "config.json").read_text())
+    target_cfg = json.loads((tiny_target("llama") / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
+    assert cfg["num_hidden_layers"] == 1 and cfg["tie_word_embeddings"] is False
+    assert cfg["vocab_size"] == 49152 and cfg["draft_vocab_size"] == 512
+    assert cfg["max_position_embeddings"] == target_cfg["max_position_embeddings"]
+    assert cfg["rope_parameters"] == target_cfg["rope_parameters"]
+    assert cfg["rope_theta"] == target_cfg["rope_parameters"]["rope_theta"]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == AUX  # vLLM: HF hidden_states ids
+    t = load_file(str(out / "model.safetensors"))
+    want = contract.expected_tensors(contract.draft_config_from_native(cfg), torch.bfloat16)
+    assert {k: (tuple(v.shape), v.dtype) for k, v in t.items()} == want
+    assert t["fc.weight"].shape == (128, 3 * 128) and t["midlayer.self_attn.q_proj.weight"].shape == (128, 256)
+    assert torch.equal(torch.arange(512) + t["d2t"], torch.arange(1000, 1512))
+    assert not any("embed" in k for k in t)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["stage"] == "export" and m["sglang_layer_ids"] == [0, 2, 3]
+
+
+def test_sglang_loading_rules(train_dir, tmp_path):
+    """SGLang does not run here; this reads the folder the way SGLang's EAGLE-3 loader does (DESIGN.md):
+    `eagle_config.eagle_aux_hidden_state_layer_ids` + SGLang's own +1 (it captures at the *input* of
+    layer id+1), `d2t` as offsets (hot_token_id = arange + d2t), `t2d` ignored."""
+    out = export(train_dir, tmp_path / "d")
+    cfg = json.loads((out / "config.json").read_text())
+    sg_ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    layers_to_capture = [v + 1 for v in sg_ids]  # sglang: set_eagle3_layers_to_capture
+    # captured as hidden_states + residual before layer i runs == HF hidden_states[i]
+    assert layers_to_capture == AUX
+    t = load_file(str(out / "model.safetensors"))
+    hot = torch.arange(t["d2t"].numel()) + t["d2t"]  # sglang maps draft ids with d2t only
+    assert hot.tolist() == list(range(1000, 1512)) and t["d2t"].dtype == torch.int64
+    sglang_needs = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "midlayer.hidden_norm.weight",
+                    "midlayer.self_attn.q_proj.weight"}
+    assert sglang_needs <= set(t)
+    assert cfg["draft_vocab_size"] == t["lm_head.weight"].shape[0]
+
+
+def test_speculators_layout(train_dir, tiny_target, tmp_path):
+    out = export(train_dir, tmp_path / "s", ExportSettings(format="speculators", num_speculative_tokens=2))
+    cfg = json.loads((out / "config.json").read_text())
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    spec = SpeculatorsConfig.extract_vllm_speculative_config(cfg)  # vLLM's own reader of the layout
+    assert spec == {"method": "eagle3", "num_speculative_tokens": 2}
+    layer = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(cfg)))
+    assert layer["architectures"] == ["Eagle3LlamaForCausalLM"]
+    assert layer["eagle_aux_hidden_state_layer_ids"] == AUX and layer["draft_vocab_size"] == 512
+    assert layer["norm_before_residual"] is False  # speculators defaults to True; our layer is not that
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(tiny_target("llama").resolve())
+    t = load_file(str(out / "model.safetensors"))
+    assert set(t) == set(contract.expected_tensors(contract.read_draft_folder(out)[1], torch.bfloat16))
+
+
+def test_refuses_checkpoint_of_another_target(train_dir, tiny_target, tmp_path):
+    other = tiny_target("llama", seed=1)  # same shapes, different weights -> another fingerprint
+    with pytest.raises(NestlingError, match="fingerprint"):
+        export(train_dir, tmp_path / "x", ExportSettings(target=str(other)))
+    assert not (tmp_path / "x").exists()
+
+
+def test_refuses_weights_that_break_the_contract(train_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(train_dir, bad)
+    t = load_file(str(bad / "model.safetensors"))
+    t["fc.weight"] = t["fc.weight"][:, :256].contiguous()  # two aux layers' worth instead of three
+    save_file(t, str(bad / "model.safetensors"))
+    with pytest.raises(NestlingError, match="fc.weight"):
+        export(bad, tmp_path / "x")
+
+
+def test_cli_export(train_dir, tmp_path):
+    from nestling.cli import main
+
+    assert main(["export", str(train_dir), "dtype=float32", "--out", str(tmp_path / "c")]) == 0
+    assert load_file(str(tmp_path / "c" / "model.safetensors"))["norm.weight"].dtype == torch.float32
+    assert main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "c2")]) == 1
