@@ -86,3 +86,16 @@ def test_layer_ids():
         validate_layer_ids([2, 3, 9], 6)
     with pytest.raises(NestlingError, match="final state"):
         validate_layer_ids([1, 2, 3], 6)
+
+
+def test_public_api_names_are_the_stage_functions():
+    """`from nestling import capture` must be the function even after the subpackage was imported."""
+    import importlib
+
+    import nestling
+
+    for sub in ("nestling.capture.store", "nestling.train.data", "nestling.export.contract", "nestling.regenerate.chat"):
+        importlib.import_module(sub)
+    for name in ("prepare_data", "capture", "train", "export", "evaluate", "regenerate", "run"):
+        fn = getattr(nestling, name)
+        assert callable(fn) and not isinstance(fn, type(nestling)), name
