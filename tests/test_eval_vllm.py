@@ -70,7 +70,8 @@ def test_layer_ids_vllm_feeds_the_trained_layers(run):
     layers named by `eagle_aux_hidden_state_layer_ids`. If vLLM fed other layers (an off-by-one), its
     per-position counts would match the reference run on the shifted ids instead. So: vLLM's counts
     must be (nearly) those of the reference at nestling's ids, and clearly farther from the reference
-    at ids shifted by -1 and +1.
+    at ids shifted by -1 and +1 (that half is `test_layer_ids_shift_is_detectable`, xfail for now:
+    this draft is not sensitive enough to a one-layer shift).
     """
     v = run["vllm"]["drafts"][0]
     aux = run["aux"]
