@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from nestling.data.prepare import prepare_data
-from nestling.data.readers import read_input
+from nestling.data.readers import error_reason, read_input
 from nestling.data.settings import DataSettings
 from nestling.errors import NestlingError
 
@@ -71,7 +71,9 @@ def test_truncated_json_list_recovers_complete_records(tmp_path, smollm2_dir):
     src = tmp_path / "cut.json"
     src.write_text(text[: len(text) - 40])  # cut inside the third record
     records, report = read_input(src)
-    assert len(records) == 2 and "record 2" in report.stopped and "cut off" in report.stopped
+    assert [r.data is not None for r in records] == [True, True, False]  # 2 complete + the cut-off one
+    assert error_reason(records[2]) == "truncated_file"
+    assert "record 2" in report.stopped and "cut off" in report.stopped
     m = prepare_data([src], smollm2_dir, tmp_path / "out", DataSettings(workers=1))
     assert m["counts"]["kept"] == 2 and m["counts"]["dropped"] == {"truncated_file": 1}
     assert m["inputs"]["data"][0]["stopped"] == report.stopped
@@ -79,7 +81,7 @@ def test_truncated_json_list_recovers_complete_records(tmp_path, smollm2_dir):
 
 def test_sharegpt_file_from_package_index_is_cut_off(sharegpt_path):
     records, report = read_input(sharegpt_path)
-    assert len(records) == 17671
+    assert sum(r.data is not None for r in records) == 17671 and records[-1].data is None
     assert report.stopped and "Unterminated string" in report.stopped
 
 

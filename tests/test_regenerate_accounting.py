@@ -39,16 +39,21 @@ def test_reader_normalises_roles_and_tolerates_a_cut_off_json_array(tmp_path):
     recs = list(read_records(p))
     assert [r.id for r in recs] == ["ok1", "ok2", "cut-2"]
     assert [m["role"] for m in recs[0].messages] == ["user", "assistant", "user", "assistant"]
-    assert recs[2].skip == "malformed"
+    assert recs[2].skip == "truncated_file"
     with pytest.raises(NestlingError, match="does not exist"):
         list(read_records(tmp_path / "missing.jsonl"))
 
 
-def test_plan_drops_unanswerable_turns_and_strip_removes_thinking():
-    msgs, altered = plan([{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"},
-                          {"role": "assistant", "content": "b"}, {"role": "user", "content": "q2"}])
-    assert [m["role"] for m in msgs] == ["user", "assistant"]
-    assert altered == ["leading_assistant_dropped", "trailing_turns_dropped"]
+def test_reader_drops_unanswerable_turns_and_strip_removes_thinking(tmp_path):
+    p = _write_jsonl(tmp_path / "t.jsonl", [{"messages": [
+        {"role": "assistant", "content": "a"}, {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "b"}, {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "c"}, {"role": "user", "content": "q3"}]}])
+    (rec,) = read_records(p)
+    assert [m["role"] for m in rec.messages] == ["user", "assistant", "user", "assistant"]
+    assert rec.altered == ["leading_assistant_dropped", "trailing_turns_dropped"]
+    msgs, altered = plan(rec.messages, max_turns=1)
+    assert [m["content"] for m in msgs] == ["q", "b"] and altered == ["turns_beyond_max_turns_dropped"]
     assert postprocess("<think>\nplan\n</think>\n\nAnswer", "strip") == "Answer"
     assert postprocess("plan</think>Answer", "strip") == "Answer"  # template opened <think> itself
     assert postprocess("<think>x</think>A", "keep") == "<think>x</think>A"
@@ -62,7 +67,7 @@ def test_overflow_fails_with_reason_and_counts_add_up(tmp_path, tiny_target):
     c = m["counts"]
     assert c["read"] == len(ROWS) == c["kept"] + sum(c["failed"].values()) + sum(c["skipped"].values())
     assert c["kept"] == 2 and c["failed"] == {"context_overflow": 2}
-    assert c["skipped"] == {"empty": 1, "malformed": 1, "no_assistant_turn": 1, "unknown_role": 1}
+    assert c["skipped"] == {"empty_conversation": 1, "malformed_json": 1, "no_assistant_turn": 1, "unknown_role": 1}
     assert c["altered"] == {"leading_assistant_dropped": 1, "trailing_turns_dropped": 1}
     kept = [json.loads(line) for line in (tmp_path / "out" / "messages.jsonl").read_text().splitlines()]
     dropped = {json.loads(line)["id"]: json.loads(line) for line in (tmp_path / "out" / "failed.jsonl").read_text().splitlines()}

@@ -21,7 +21,7 @@ import numpy as np
 
 from nestling.config import to_dict
 from nestling.data.dataset import SPLITS, Sample, split_files, write_shard
-from nestling.data.readers import InputReport, RawRecord, read_input
+from nestling.data.readers import InputReport, RawRecord, error_reason, read_input
 from nestling.data.settings import DataSettings
 from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, hash_bytes, hash_file, hash_json, write_manifest
@@ -74,7 +74,7 @@ def _process(span: tuple[int, int]) -> list[Outcome]:
         o = Outcome(sid, rec.index)
         outcomes.append(o)
         if rec.data is None:
-            o.drop, o.detail = ("truncated_file" if rec.error and rec.error.startswith("truncated:") else "malformed_json"), rec.error or ""
+            o.drop, o.detail = error_reason(rec), rec.error or ""
             continue
         norm = normalize_record(rec.data, settings.role_map, settings.system_prompt)
         o.altered = list(norm.altered)
@@ -185,8 +185,7 @@ def prepare_data(inputs: list[str | Path] | str | Path, target: str | Path, out:
     for p, name in zip(inputs, _sample_names(inputs)):
         recs, report = read_input(p, settings.limit)
         if report.stopped:
-            log(f"[data] warning: {p}: reading stopped early at {report.stopped}; kept the {len(recs)} complete records before it")
-            recs.append(RawRecord(len(recs), None, f"truncated: {p.name}: {report.stopped}"))
+            log(f"[data] warning: {p}: reading stopped early at {report.stopped}; kept the {len(recs) - 1} complete records before it")
         reports.append(report)
         records += [(f"{name}:{r.index}", r) for r in recs]
     log(f"[data] read {len(records)} records from {len(inputs)} file(s) in {time.monotonic() - t0:.1f}s; "

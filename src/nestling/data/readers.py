@@ -36,6 +36,11 @@ class InputReport:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def error_reason(rec: RawRecord) -> str:
+    """The counted drop reason of a record that could not be parsed."""
+    return "truncated_file" if rec.error and rec.error.startswith("truncated:") else "malformed_json"
+
+
 def detect_format(path: Path) -> str:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
@@ -60,6 +65,8 @@ def read_input(path: Path, limit: int | None = None) -> tuple[list[RawRecord], I
     reader = {"json": _read_json_list, "jsonl": _read_jsonl, "parquet": _read_parquet}[fmt]
     report = InputReport(str(path), fmt)
     records = reader(path, limit, report)
+    if report.stopped:  # the cut-off tail is one record too: counted as `truncated_file`, never lost
+        records.append(RawRecord(len(records), None, f"truncated: {path.name}: {report.stopped}"))
     report.records = len(records)
     return records, report
 

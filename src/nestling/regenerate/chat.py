@@ -13,31 +13,15 @@ THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
 
 def plan(messages: list[dict], max_turns: int = 0) -> tuple[list[dict], list[str]]:
-    """Trim a conversation to what the target can answer; return (messages, alterations).
+    """Keep the first `max_turns` assistant turns (all when 0); return (messages, alterations).
 
-    Leading assistant turns have no question to answer and trailing user turns no answer to
-    supervise, so both are dropped (and counted). `max_turns` keeps the first N assistant turns.
+    The conversation is already normalised by the data stage's rules (`nestling.data.normalize`:
+    leading assistant and trailing turns dropped, roles mapped), so only the turn cap is left here.
     """
-    altered: list[str] = []
-    msgs = [dict(m) for m in messages]
-    first_user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
-    if first_user is None:
-        return [], altered
-    lead = [i for i, m in enumerate(msgs[:first_user]) if m["role"] == "assistant"]
-    if lead:
-        msgs = [m for i, m in enumerate(msgs) if i not in lead]
-        altered.append("leading_assistant_dropped")
-    assistant = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if max_turns and len(assistant) > max_turns:
-        msgs = msgs[: assistant[max_turns - 1] + 1]
-        altered.append("turns_beyond_max_turns_dropped")
-    assistant = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
-    if not assistant:
-        return [], altered
-    if assistant[-1] != len(msgs) - 1:
-        msgs = msgs[: assistant[-1] + 1]
-        altered.append("trailing_turns_dropped")
-    return msgs, altered
+        return [dict(m) for m in messages[: assistant[max_turns - 1] + 1]], ["turns_beyond_max_turns_dropped"]
+    return [dict(m) for m in messages], []
 
 
 def assistant_positions(messages: list[dict]) -> list[int]:

@@ -71,7 +71,7 @@ def run_chunk(records: list[Record], engine: Engine, tokenizer, s: RegenerateSet
             res.counts[f"skipped:{rec.skip}"] += 1
             continue
         msgs, altered = plan(rec.messages or [], s.max_turns)
-        for a in altered:
+        for a in sorted(set(rec.altered) | set(altered)):
             res.counts[f"altered:{a}"] += 1
         if not msgs:
             res.dropped.append({"id": rec.id, "source_index": rec.source_index, "status": "skipped",
