@@ -25,6 +25,31 @@ STAGE_CLIS = [
 ]
 
 
+class IntermixedParser(argparse.ArgumentParser):
+    """Lets `key=value` overrides (positionals) follow the flags: `data IN --out D max_length=512`.
+    Plain argparse assigns all positionals at their first occurrence and rejects later ones."""
+
+    _inner = False
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        if self._inner:
+            return super().parse_known_args(args, namespace)
+        self._inner = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inner = False
+
+
+def add_intermixed_parser(sub: argparse._SubParsersAction, name: str, **kw) -> argparse.ArgumentParser:
+    """A subcommand parser whose positionals may be interleaved with options (see IntermixedParser)."""
+    parser_class, sub._parser_class = sub._parser_class, IntermixedParser
+    try:
+        return sub.add_parser(name, **kw)
+    finally:
+        sub._parser_class = parser_class
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nestling",

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from nestling.cli import add_intermixed_parser
 from nestling.errors import NestlingError
 
 HELP = """Run the target prefill-only over a data folder and store, per token, the aux layers and the final
@@ -14,29 +15,9 @@ capture (complete shards are kept). `nestling capture --verify CAPTURE_DIR` (or 
 verify CAPTURE_DIR`) re-reads every shard and checks it against the data stage."""
 
 
-class _IntermixedParser(argparse.ArgumentParser):
-    """Lets `key=value` overrides follow the options (`capture DATA --out O token_budget=8192`): plain
-    argparse assigns all positionals at their first occurrence and rejects later ones."""
-
-    _inner = False
-
-    def parse_known_args(self, args=None, namespace=None):
-        if self._inner:
-            return super().parse_known_args(args, namespace)
-        self._inner = True
-        try:
-            return self.parse_known_intermixed_args(args, namespace)
-        finally:
-            self._inner = False
-
-
 def register(sub: argparse._SubParsersAction) -> None:
-    cls, sub._parser_class = sub._parser_class, _IntermixedParser
-    try:
-        p = sub.add_parser("capture", help="store the target's hidden states for training", description=HELP,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    finally:
-        sub._parser_class = cls
+    p = add_intermixed_parser(sub, "capture", help="store the target's hidden states for training", description=HELP,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("data_dir", nargs="?", help="output folder of `nestling data` (or: verify CAPTURE_DIR)")
     p.add_argument("extra", nargs="*", help="key=value setting overrides (e.g. token_budget=8192)")
     p.add_argument("--target", help="the target: a local Hugging Face model folder or a .gguf file")

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from nestling.cli import add_intermixed_parser
 from nestling.errors import NestlingError
 
 DESCRIPTION = """\
@@ -22,25 +23,9 @@ DIR/manifest.json with counts by reason. Settings: --config FILE (YAML) and key=
 """
 
 
-class _IntermixedParser(argparse.ArgumentParser):
-    """Lets `key=value` overrides (positionals) follow the flags: `data IN --out D max_length=512`."""
-
-    _inner = False
-
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
-        if self._inner:
-            return super().parse_known_args(args, namespace)
-        self._inner = True
-        try:
-            return self.parse_known_intermixed_args(args, namespace)
-        finally:
-            self._inner = False
-
-
 def register(sub: argparse._SubParsersAction) -> None:
-    parser_class, sub._parser_class = sub._parser_class, _IntermixedParser  # only for this subcommand
-    p = sub.add_parser("data", help="tokenize chat data into loss-masked samples (or `data inspect DIR`)",
-                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = add_intermixed_parser(sub, "data", help="tokenize chat data into loss-masked samples (or `data inspect DIR`)",
+                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="chat data files, then optional key=value setting overrides; or `inspect DATA_DIR`")
     p.add_argument("--target", help="target model: a Hugging Face folder or a .gguf file (its tokenizer and chat template are used)")
@@ -60,7 +45,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--color", action=argparse.BooleanOptionalAction, default=None,
                    help="inspect: highlight with colour (default: when writing to a terminal; else [[brackets]])")
     p.set_defaults(func=run)
-    sub._parser_class = parser_class
 
 
 def run(args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ def run_vllm(target: Path, draft: Path | list[Path], prompts: list[list[int]], k
     spec = dict(target=str(target), drafts=drafts, k=k, prompts=prompts, max_new_tokens=max_new_tokens,
                 temperature=temperature, dtype=dtype, max_model_len=max_model_len, seed=seed, baseline=baseline)
     env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))  # vLLM takes whole GiB only
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory(prefix="nestling-vllm-") as tmp:
