@@ -4,22 +4,37 @@ The public API is one function per pipeline stage:
 
     from nestling import prepare_data, capture, train, export, evaluate, regenerate, run
 
-They are imported eagerly: several share their name with the stage's subpackage
-(`nestling.capture`, `nestling.train`, ...), and Python rebinds a package attribute to the
-subpackage when it is first imported, so a lazy lookup would hand back a module instead of the
-function. Importing the stages here first, then binding the functions, makes the names stable.
+Names resolve lazily so that `import nestling` stays cheap (no torch until a stage is used).
+`capture`, `train`, `export` and `regenerate` are also subpackages; those packages are callable
+and run their stage (see nestling/stage.py), so both meanings of the name hold.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
 
-from nestling.data.prepare import prepare_data  # noqa: E402
-from nestling.capture.run import capture  # noqa: E402
-from nestling.train.loop import train  # noqa: E402
-from nestling.export.eagle3 import export  # noqa: E402
-from nestling.evaluate.run import evaluate  # noqa: E402
-from nestling.regenerate.run import regenerate  # noqa: E402
-from nestling.pipeline import run  # noqa: E402
+_API = {
+    "prepare_data": "nestling.data.prepare:prepare_data",
+    "capture": "nestling.capture",
+    "train": "nestling.train",
+    "export": "nestling.export",
+    "evaluate": "nestling.evaluate.run:evaluate",
+    "regenerate": "nestling.regenerate",
+    "run": "nestling.pipeline:run",
+}
 
-__all__ = ["prepare_data", "capture", "train", "export", "evaluate", "regenerate", "run", "__version__"]
+__all__ = sorted(_API) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _API:
+        raise AttributeError(f"module 'nestling' has no attribute {name!r}")
+    target = _API[name]
+    if ":" not in target:
+        return importlib.import_module(target)  # a callable stage package
+    from nestling.stage import resolve
+
+    return resolve(target)

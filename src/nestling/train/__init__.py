@@ -4,3 +4,7 @@ from nestling.train.loop import train
 from nestling.train.settings import TrainSettings
 
 __all__ = ["train", "TrainSettings"]
+
+from nestling.stage import make_callable  # noqa: E402
+
+make_callable(__name__, "nestling.train.loop:train")
