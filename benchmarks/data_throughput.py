@@ -13,6 +13,8 @@ import argparse
 import json
 import os
 import platform
+import resource
+import subprocess
 import shutil
 import tempfile
 import time
@@ -23,6 +25,18 @@ def load_average() -> str:
     try:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
+        return "?"
+
+
+def cpu_seconds(who: int) -> float:
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
         return "?"
 
 
@@ -44,12 +58,15 @@ def main() -> None:
     src = args.input or sharegpt_json()
     target = args.target or smollm2_dir()
     out = Path(tempfile.mkdtemp(prefix="nestling-data-bench-"))
-    load_before = load_average()
+    load_before, uptime_before = load_average(), uptime()
+    cpu0 = cpu_seconds(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     try:
         m = prepare_data([src], target, out, DataSettings(limit=args.limit, workers=args.workers, max_length=args.max_length))
     finally:
         elapsed = time.perf_counter() - t0
+        cpu_main = cpu_seconds(resource.RUSAGE_SELF) - cpu0
+        cpu_workers = cpu_seconds(resource.RUSAGE_CHILDREN)
         shutil.rmtree(out, ignore_errors=True)
     c, tr = m["counts"], m["splits"]["train"]
     result = {
@@ -58,12 +75,15 @@ def main() -> None:
         "seconds": round(elapsed, 2), "conversations_per_s": round(c["read"] / elapsed, 1),
         "tokens_per_s": round(tr["tokens"] / elapsed), "workers": args.workers or os.cpu_count(),
         "cpu_count": os.cpu_count(), "load_average_before": load_before, "load_average_after": load_average(),
+        "uptime_before": uptime_before, "uptime_after": uptime(),
+        "cpu_s_main": round(cpu_main, 1), "cpu_s_workers": round(cpu_workers, 1),
         "machine": platform.platform(), "device": args.device, "target_seconds": 60.0,
         "meets_target": elapsed < 60.0 if args.limit is None else None,
     }
     rows = [("records read", f"{c['read']:,}"), ("kept", f"{c['kept']:,}"), ("tokens", f"{tr['tokens']:,}"),
             ("seconds", f"{elapsed:.1f}"), ("conversations/s", f"{result['conversations_per_s']:,}"),
             ("tokens/s", f"{result['tokens_per_s']:,}"), ("workers", str(result["workers"])),
+            ("CPU s main / workers", f"{cpu_main:.1f} / {cpu_workers:.1f}"),
             ("load avg before / after", f"{load_before} / {result['load_average_after']}"),
             ("target (whole file)", "< 60 s" + ("" if args.limit else f": {'met' if elapsed < 60 else 'NOT met'}"))]
     width = max(len(k) for k, _ in rows)

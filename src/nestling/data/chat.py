@@ -105,6 +105,7 @@ class _Plan:
     turns: list[tuple[int, int, int]] = field(default_factory=list)  # (boundary b, window start s, end char e)
     gen_spans: list[tuple[int, int]] = field(default_factory=list)
     fallback: bool = False  # earlier turns failed the prefix property; the last one is used alone
+    specials: list[tuple[int, int]] = field(default_factory=list)  # character spans of the special tokens
     result: Encoded = field(default_factory=Encoded)
 
 
@@ -112,6 +113,7 @@ def _plan_prefix_diff(fmt: ChatFormat, msgs: list[dict], last_turn_only: bool, p
     text, _ = render(fmt, msgs)
     plan.text = text
     specials = [(m.start(), m.end()) for m in fmt.special_re.finditer(text)]
+    plan.specials = specials
     special_starts = [s for s, _ in specials]
     assistant = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
 
@@ -144,8 +146,12 @@ def _plan_prefix_diff(fmt: ChatFormat, msgs: list[dict], last_turn_only: bool, p
     plan.fallback = True
 
 
-def encode_conversations(fmt: ChatFormat, conversations: list[list[dict]], last_turn_only: bool = False) -> list[Encoded]:
-    """Render and tokenize a batch of normalized conversations (one fast batched tokenizer call)."""
+def encode_conversations(fmt: ChatFormat, conversations: list[list[dict]], last_turn_only: bool = False,
+                         piecewise: bool = True) -> list[Encoded]:
+    """Render and tokenize a batch of normalized conversations (one fast batched tokenizer call).
+
+    `piecewise=False` forces the reference method (whole text with character offsets) that the
+    piecewise one must always agree with (tests/test_data_piecewise.py)."""
     import jinja2
     import numpy as np
 
@@ -171,6 +177,12 @@ def encode_conversations(fmt: ChatFormat, conversations: list[list[dict]], last_
 
     backend = fmt.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
     live = [p for p in plans if p.result.drop is None]
+    special_id = _segment_ids(fmt) if piecewise else None
+    if special_id is not None:
+        fast = [p for p in live if not p.gen_spans and _ends_at_specials(p)]
+        _encode_by_segments(fmt, backend, special_id, fast)
+        fast_ids = {id(p) for p in fast}
+        live = [p for p in live if id(p) not in fast_ids]
     full = backend.encode_batch([p.text for p in live], add_special_tokens=False)
     windows = [p.text[s:b] for p in live for (b, s, _) in p.turns]
     local = iter(backend.encode_batch(windows, add_special_tokens=False) if windows else [])
@@ -217,3 +229,87 @@ def _token_span(fmt: ChatFormat, enc, ids: list[int], turn: tuple[int, int, int]
         return None
     je = enc.char_to_token(e - 1)
     return (kb, je) if je is not None and je >= kb else None
+
+
+def _segment_ids(fmt: ChatFormat) -> dict[str, int] | None:
+    """Special token text -> id when text can be tokenized piecewise between special tokens, else None.
+
+    A fast tokenizer cuts its input at added tokens before normalizing or pre-tokenizing anything, so
+    tokenize(text) is the concatenation of the pieces between special tokens, tokenized alone, with the
+    special tokens' ids in between. That holds for special tokens that match raw text (normalized=False)
+    and do not swallow neighbouring whitespace (no lstrip/rstrip/single_word); otherwise None.
+    """
+    out: dict[str, int] = {}
+    for i, t in fmt.tokenizer.added_tokens_decoder.items():
+        if not t.special:
+            continue
+        if t.normalized or t.lstrip or t.rstrip or t.single_word:
+            return None
+        out[str(t.content)] = i
+    backend = fmt.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
+    if not out or "prepend_scheme=first" in repr(backend.pre_tokenizer):
+        return None  # Metaspace prepends only to the first piece of the whole text: pieces differ
+    sp = list(out)[:2]
+    parts = ["Hi  there,\n", sp[0], " user\n\n 12 ", sp[-1], "\nok."]
+    whole = backend.encode("".join(parts), add_special_tokens=False).ids
+    pieced = [i for k, x in enumerate(parts) for i in
+              ([out[x]] if k % 2 else backend.encode(x, add_special_tokens=False).ids)]
+    return out if whole == pieced else None
+
+
+def _ends_at_specials(p: _Plan) -> bool:
+    ends = {e for _, e in p.specials}
+    return all(e in ends for _, _, e in p.turns)
+
+
+def _encode_by_segments(fmt: ChatFormat, backend, special_id: dict[str, int], plans: list[_Plan]) -> None:
+    """Prefix-diff masks from one batched, offset-free tokenization of the pieces between special tokens.
+
+    Every boundary the mask needs (the special token that opens the assistant header, the end-of-turn
+    token) is a piece edge, so its token index is a running count; no character offsets are needed,
+    and the tokenizer skips computing them (`encode_batch_fast`, ~25% less CPU).
+    """
+    import numpy as np
+
+    pieces: list[str] = []
+    for p in plans:
+        pos = 0
+        for a, z in p.specials:
+            pieces.append(p.text[pos:a])
+            pos = z
+        pieces.append(p.text[pos:])
+    windows = [p.text[s:b] for p in plans for (b, s, _) in p.turns]
+    encs = backend.encode_batch_fast(pieces + windows, add_special_tokens=False) if pieces else []
+    it = iter(encs[:len(pieces)])
+    local = iter(encs[len(pieces):])
+    for p in plans:
+        ids: list[int] = []
+        start_tok: dict[int, int] = {}  # char start of a special token -> its token index
+        for a, z in p.specials:
+            ids += next(it).ids
+            start_tok[a] = len(ids)
+            ids.append(special_id[p.text[a:z]])
+        ids += next(it).ids
+        end_tok = {z: start_tok[a] for a, z in p.specials}  # char end of a special token -> its token index
+        spans = []
+        for (b, s, e) in p.turns:
+            window = next(local).ids
+            ks = start_tok[s] if s else 0
+            kb = ks + len(window)
+            je = end_tok[e]
+            ok = (s == 0 or s in start_tok) and kb < len(ids) and ids[ks:kb] == window and je >= kb
+            spans.append((kb, je) if ok else None)
+        if spans and spans[-1] is None:
+            p.result = Encoded(drop="token_prefix_mismatch",
+                               detail="a token merges across the boundary between prompt and assistant reply")
+            continue
+        if any(sp is None for sp in spans):
+            spans = spans[-1:]
+            p.fallback = True
+        mask = np.zeros(len(ids), dtype=np.int8)
+        for kb, je in spans:  # type: ignore[misc]
+            mask[kb:je + 1] = 1
+        if p.fallback:
+            p.result.altered.append("prefix_mismatch_last_turn_only")
+        p.result.input_ids = ids
+        p.result.loss_mask = mask  # type: ignore[assignment]
