@@ -83,7 +83,9 @@ def run_ngram(target: str, prompts: list[list[int]], k: int, max_new_tokens: int
 
     spec, res = work / f"ngram-k{k}.spec.json", work / f"ngram-k{k}.json"
     spec.write_text(json.dumps({"target": target, "prompts": prompts, "k": k, "max_new_tokens": max_new_tokens,
-                                "dtype": dtype, "max_model_len": 2048, "prompt_lookup_max": lookup_max,
+                                "dtype": dtype, "prompt_lookup_max": lookup_max,
+                                # held-out ShareGPT prompts reach ~2.9k tokens: size the context to fit them
+                                "max_model_len": max(len(p) for p in prompts) + max_new_tokens + k + 1,
                                 "prompt_lookup_min": lookup_min}))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     proc = subprocess.run([sys.executable, __file__, "--ngram-worker", str(spec), str(res)], env=env,

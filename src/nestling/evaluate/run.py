@@ -22,7 +22,7 @@ class EvalSettings:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # fp32: greedy with/without draft identical
     device: str = "cpu"  # reference decoder only
     seed: int = 0
-    max_model_len: int = 2048  # vLLM
+    max_model_len: int = 2048  # vLLM context; grown to fit the longest prompt + max_new_tokens
     baseline: bool = True  # also run the target alone (tokens/s without the draft, identical-output share)
 
 
@@ -90,8 +90,10 @@ def _baseline(r: dict, base_outs: list[list[int]], base_s: float) -> dict:
 def run_vllm_engine(target: Path, draft_dir: Path, prompts: list[list[int]], s: EvalSettings) -> dict:
     from nestling.evaluate.vllm_engine import run_vllm
 
+    # vLLM refuses a prompt longer than its context: grow the setting to fit the longest prompt.
+    need = max((len(p) for p in prompts), default=0) + s.max_new_tokens + s.k + 1
     res = run_vllm(target, draft_dir, prompts, s.k, s.max_new_tokens, s.temperature, s.dtype,
-                   s.max_model_len, s.seed, s.baseline)
+                   max(s.max_model_len, need), s.seed, s.baseline)
     d = res["drafts"][0]
     r = {k: d[k] for k in ("acceptance_length", "per_position", "num_drafts", "num_draft_tokens",
                            "num_accepted_tokens", "accepted_per_pos", "outputs", "seconds", "tokens")}
