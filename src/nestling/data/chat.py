@@ -195,20 +195,28 @@ def encode_conversations(fmt: ChatFormat, conversations: list[list[dict]], last_
             if ka is not None and kz is not None:
                 mask[ka:kz + 1] = 1
         spans = [_token_span(fmt, enc, ids, turn, next(local).ids) for turn in p.turns]
-        if spans and spans[-1] is None:
-            p.result = Encoded(drop="token_prefix_mismatch",
-                               detail="a token merges across the boundary between prompt and assistant reply")
-            continue
-        if any(sp is None for sp in spans):
-            spans = spans[-1:]
-            p.fallback = True
-        for kb, je in spans:  # type: ignore[misc]
-            mask[kb:je + 1] = 1
-        if p.fallback:
-            p.result.altered.append("prefix_mismatch_last_turn_only")
-        p.result.input_ids = ids
-        p.result.loss_mask = mask  # type: ignore[assignment]
+        _finish(p, ids, spans, mask)
     return [p.result for p in plans]
+
+
+def _finish(p: _Plan, ids: list[int], spans: list[tuple[int, int] | None], mask: np.ndarray) -> None:
+    """Mark the assistant token spans in `mask` and store the result on the plan (both encoders).
+
+    A broken last span drops the conversation (a token merges across the prompt/reply boundary);
+    a broken earlier span keeps only the last turn, counted as an alteration."""
+    if spans and spans[-1] is None:
+        p.result = Encoded(drop="token_prefix_mismatch",
+                           detail="a token merges across the boundary between prompt and assistant reply")
+        return
+    if any(sp is None for sp in spans):
+        spans = spans[-1:]
+        p.fallback = True
+    for kb, je in spans:  # type: ignore[misc]
+        mask[kb:je + 1] = 1
+    if p.fallback:
+        p.result.altered.append("prefix_mismatch_last_turn_only")
+    p.result.input_ids = ids
+    p.result.loss_mask = mask  # type: ignore[assignment]
 
 
 def _token_span(fmt: ChatFormat, enc, ids: list[int], turn: tuple[int, int, int],
@@ -299,17 +307,4 @@ def _encode_by_segments(fmt: ChatFormat, backend, special_id: dict[str, int], pl
             je = end_tok[e]
             ok = (s == 0 or s in start_tok) and kb < len(ids) and ids[ks:kb] == window and je >= kb
             spans.append((kb, je) if ok else None)
-        if spans and spans[-1] is None:
-            p.result = Encoded(drop="token_prefix_mismatch",
-                               detail="a token merges across the boundary between prompt and assistant reply")
-            continue
-        if any(sp is None for sp in spans):
-            spans = spans[-1:]
-            p.fallback = True
-        mask = np.zeros(len(ids), dtype=np.int8)
-        for kb, je in spans:  # type: ignore[misc]
-            mask[kb:je + 1] = 1
-        if p.fallback:
-            p.result.altered.append("prefix_mismatch_last_turn_only")
-        p.result.input_ids = ids
-        p.result.loss_mask = mask  # type: ignore[assignment]
+        _finish(p, ids, spans, np.zeros(len(ids), dtype=np.int8))
