@@ -125,31 +125,3 @@ def fit_step0(target: Path, prompt_ids: list[list[int]], aux_ids: list[int] | No
         (loss / len(batch)).backward()
         opt.step()
     return draft.eval()
-
-
-def lens_draft(target: Path, aux_ids: list[int], slot: int) -> Eagle3Draft:
-    """A draft whose guess is the target's "logit lens" at aux layer `aux_ids[slot]`.
-
-    fc copies that one aux slot (identity block, zeros elsewhere); o_proj and down_proj are zero, so
-    the layer adds nothing and h = g = hidden_states[aux_ids[slot]]; norm and lm_head are the
-    target's own, over the full vocabulary. Its proposals are therefore a known function of exactly
-    one layer's hidden state, which makes the layer the engine feeds visible in its acceptance counts.
-    """
-    from nestling.target.load import head_tensor_names, read_tensors
-
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(target).vocab_size
-    draft = new_draft(target, aux_ids, draft_vocab_size=vocab)
-    names = head_tensor_names(target)
-    t = read_tensors(target, [names["lm_head"], names["norm"], names["embed"]])
-    H = draft.config.hidden_size
-    with torch.no_grad():
-        draft.fc.weight.zero_()
-        draft.fc.weight[:, slot * H:(slot + 1) * H] = torch.eye(H)
-        draft.midlayer.self_attn.o_proj.weight.zero_()
-        draft.midlayer.mlp.down_proj.weight.zero_()
-        draft.norm.weight.copy_(t[names["norm"]].float())
-        draft.lm_head.weight.copy_(t[names["lm_head"]].float())  # draft vocab = full vocab, d2t = 0
-        draft.embed_tokens.weight.copy_(t[names["embed"]].float())
-    return draft.eval()
