@@ -90,25 +90,33 @@ def test_layer_ids():
 
 def test_public_api_names_are_the_stage_functions():
     """`from nestling import capture` runs the stage, before and after its subpackage is imported,
-    and `import nestling.capture.run` still works (the packages are callable, nestling/stage.py)."""
-    import importlib
-    import inspect
+    and `import nestling.capture.run` still works (the packages are callable, nestling/stage.py).
+    Checked in a fresh interpreter: other tests' imports must not decide what the names are."""
+    import subprocess
+    import sys
 
-    import nestling
-
-    expected = {"prepare_data": "nestling.data.prepare", "capture": "nestling.capture.run",
-                "train": "nestling.train.loop", "export": "nestling.export.eagle3",
-                "evaluate": "nestling.evaluate.run", "regenerate": "nestling.regenerate.run", "run": "nestling.pipeline"}
-    for sub in ("nestling.capture.run", "nestling.train.data", "nestling.export.contract", "nestling.regenerate.chat"):
-        importlib.import_module(sub)
-    for name, module in expected.items():
-        fn = getattr(nestling, name)
-        assert callable(fn), name
-        impl = getattr(importlib.import_module(module), name)
-        assert inspect.isfunction(impl)
-        if inspect.ismodule(fn):  # a callable stage package must dispatch to the stage function
-            from nestling.stage import resolve
-
-            assert resolve(f"{module}:{name}") is impl
-    with pytest.raises(NestlingError):  # the package really calls the stage: bad input -> its own error
-        nestling.capture("/nonexistent-data", "/nonexistent-target", "/tmp/never-written")
+    code = """
+import importlib, inspect
+import nestling
+from nestling.errors import NestlingError
+from nestling.stage import resolve
+expected = {"prepare_data": "nestling.data.prepare", "capture": "nestling.capture.run",
+            "train": "nestling.train.loop", "export": "nestling.export.eagle3",
+            "evaluate": "nestling.evaluate.run", "regenerate": "nestling.regenerate.run", "run": "nestling.pipeline"}
+for sub in ("nestling.capture.run", "nestling.train.data", "nestling.export.contract", "nestling.regenerate.chat"):
+    importlib.import_module(sub)
+import nestling.capture.run as run_module
+for name, module in expected.items():
+    fn = getattr(nestling, name)
+    assert callable(fn), name
+    impl = getattr(importlib.import_module(module), name)
+    assert inspect.isfunction(impl), name
+    assert resolve(f"{module}:{name}") is impl
+try:
+    nestling.capture("/nonexistent-data", "/nonexistent-target", "/nonexistent-out")
+except NestlingError as e:
+    print("stage-error:", e)
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "stage-error:" in res.stdout and "does not exist" in res.stdout, res.stdout
