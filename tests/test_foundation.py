@@ -103,7 +103,8 @@ from nestling.stage import resolve
 expected = {"prepare_data": "nestling.data.prepare", "capture": "nestling.capture.run",
             "train": "nestling.train.loop", "export": "nestling.export.eagle3",
             "evaluate": "nestling.evaluate.run", "regenerate": "nestling.regenerate.run", "run": "nestling.pipeline"}
-for sub in ("nestling.capture.run", "nestling.train.data", "nestling.export.contract", "nestling.regenerate.chat"):
+for sub in ("nestling.capture.run", "nestling.train.data", "nestling.export.contract", "nestling.regenerate.chat",
+            "nestling.evaluate.run", "nestling.data.prepare", "nestling.pipeline"):
     importlib.import_module(sub)
 import nestling.capture.run as run_module
 for name, module in expected.items():

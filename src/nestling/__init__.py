@@ -5,7 +5,7 @@ The public API is one function per pipeline stage:
     from nestling import prepare_data, capture, train, export, evaluate, regenerate, run
 
 Names resolve lazily so that `import nestling` stays cheap (no torch until a stage is used).
-`capture`, `train`, `export` and `regenerate` are also subpackages; those packages are callable
+`capture`, `train`, `export`, `evaluate` and `regenerate` are also subpackages; those packages are callable
 and run their stage (see nestling/stage.py), so both meanings of the name hold.
 """
 
@@ -21,7 +21,7 @@ _API = {
     "capture": "nestling.capture",
     "train": "nestling.train",
     "export": "nestling.export",
-    "evaluate": "nestling.evaluate.run:evaluate",
+    "evaluate": "nestling.evaluate",
     "regenerate": "nestling.regenerate",
     "run": "nestling.pipeline:run",
 }
