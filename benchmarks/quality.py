@@ -34,12 +34,14 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assist
          "bard": "assistant", "assistant": "assistant", "system": "system"}
 
 
-def split_sharegpt(out: Path, n_heldout: int, n_train: int | None) -> tuple[Path, Path, int]:
-    """train.json (ShareGPT list) and heldout.jsonl (first user turn of each held-out conversation)."""
+def split_sharegpt(out: Path, n_heldout: int, n_train: int | None,
+                   source: Path | None = None) -> tuple[Path, Path, int]:
+    """train.json (ShareGPT list) and heldout.jsonl (first user turn of each held-out conversation).
+    `source`: the ShareGPT file (default: the one from the package index)."""
     from nestling.assets import sharegpt_json
     from nestling.data.readers import read_input
 
-    records, _ = read_input(sharegpt_json())
+    records, _ = read_input(source or sharegpt_json())
     good = [r.data for r in records if r.data and isinstance(r.data.get("conversations"), list)]
     heldout, pool = good[-n_heldout:], good[:-n_heldout]
     train = pool if n_train is None else pool[:n_train]
@@ -106,6 +108,54 @@ def per_forward(r: dict) -> float | None:
     return tokens / max(tokens - accepted, 1)
 
 
+def evaluate_draft(args, draft: Path, target: str, prompts_path: Path, out: Path) -> None:
+    """The CPU leg: acceptance of an already trained draft in vLLM / the reference decoder, plus ngram."""
+    from nestling.evaluate.prompts import load_prompts
+    from nestling.evaluate.run import EvalSettings, evaluate
+    from nestling.target.load import load_tokenizer
+
+    prompts = load_prompts(prompts_path, load_tokenizer(target))[: args.max_prompts]
+    rows, stage_s = [], {}
+    name = draft.name
+    for k in args.k:
+        t = time.monotonic()
+        rep = evaluate(draft, target, prompts_path, out / f"eval-{name}-k{k}",
+                       EvalSettings(k=k, engine=args.engines, max_new_tokens=args.max_new_tokens, baseline=False,
+                                    max_prompts=args.max_prompts, device=args.device, dtype="float32"))
+        stage_s[f"eval k={k}"] = time.monotonic() - t
+        for eng, r in rep["engines"].items():
+            rows.append({"method": "eagle3", "engine": eng, "k": k, "acceptance_length": r["acceptance_length"],
+                         "tokens_per_forward": per_forward(r), "per_position": r["per_position"],
+                         "tokens_per_s": r.get("tokens_per_s"), "num_drafts": r.get("num_drafts"),
+                         "num_accepted_tokens": r.get("num_accepted_tokens"), "tokens": r.get("tokens")})
+        if not args.no_ngram:
+            t = time.monotonic()
+            r = run_ngram(target, prompts, k, args.max_new_tokens, "float32", out, args.prompt_lookup_max,
+                          args.prompt_lookup_min)
+            stage_s[f"ngram k={k}"] = time.monotonic() - t
+            rows.append({"method": "ngram", "engine": "vllm", "k": k, "acceptance_length": r["acceptance_length"],
+                         "tokens_per_forward": per_forward(r), "per_position": r["per_position"],
+                         "tokens_per_s": r["tokens_per_s"]})
+    result = {"draft": str(draft), "target": target, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "rows": rows, "stage_seconds": stage_s}
+    (out / f"quality-{name}.json").write_text(json.dumps(result, indent=2))
+    print_rows(f"{draft} on {len(prompts)} held-out prompts, greedy, {args.max_new_tokens} new tokens", rows, stage_s)
+    print(f"\nwrote {out / f'quality-{name}.json'}")
+
+
+def print_rows(title: str, rows: list[dict], stage_s: dict) -> None:
+    print(f"\n## quality: {title}\n")
+    print("| method | engine | K | acceptance length | tokens/forward | per position | tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        tpf = f"{r['tokens_per_forward']:.3f}" if r.get("tokens_per_forward") else "-"
+        print(f"| {r['method']} | {r['engine']} | {r['k']} | {r['acceptance_length']:.3f} | {tpf} | "
+              f"{', '.join(f'{p:.2f}' for p in r['per_position'])} | {r.get('tokens_per_s') or 0:.1f} |")
+    print("\n| stage | wall time (s) |\n|---|---|")
+    for s, v in stage_s.items():
+        print(f"| {s} | {v:.1f} |" if v is not None else f"| {s} | - |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", choices=sorted(BUDGETS), default="small")
@@ -120,6 +170,12 @@ def main() -> None:
     ap.add_argument("--no-vllm", action="store_true", help="reference decoder only, no ngram bar")
     ap.add_argument("--prompt-lookup-max", type=int, default=5)
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
+    ap.add_argument("--target", help="target folder (default: SmolLM2-135M-Instruct from the package index)")
+    ap.add_argument("--draft", type=Path, help="evaluate this exported draft (e.g. from benchmarks/quality_gpu.py) "
+                    "instead of training one here")
+    ap.add_argument("--max-prompts", type=int, default=None, help="only the first N held-out prompts")
+    ap.add_argument("--engines", default="both", choices=["reference", "vllm", "both"])
+    ap.add_argument("--no-ngram", action="store_true", help="skip vLLM's ngram bar")
     ap.add_argument("--ngram-worker", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.ngram_worker:
@@ -135,7 +191,7 @@ def main() -> None:
 
     budget = BUDGETS[args.budget]
     out = args.out.absolute() / args.budget
-    target = str(smollm2_dir())
+    target = args.target or str(smollm2_dir())
     bpt = 4 * 576 * 2 + 5
     train_path, prompts_path, n_train = split_sharegpt(out, args.heldout, budget["conversations"])
     cuda = args.device.startswith("cuda")
@@ -149,6 +205,8 @@ def main() -> None:
             "eval": {"k": args.k[0], "engine": "reference", "max_new_tokens": args.max_new_tokens,
                      "device": args.device, "dtype": "float32" if not cuda else "bfloat16"}}
     config = load_run_config(None, STAGES, base_data=data)
+    if args.draft:
+        return evaluate_draft(args, args.draft, target, prompts_path, out)
     if budget["conversations"] is None:  # full: cap the capture store at the disk budget
         run_config(config, stages=STAGES, until="data")
         m = json.loads((out / "run" / "data" / "manifest.json").read_text())
@@ -190,17 +248,8 @@ def main() -> None:
               "stage_seconds": stage_s, "total_seconds": time.monotonic() - t0,
               "train_manifest": json.loads((out / "run" / "train" / "manifest.json").read_text()).get("final_eval")}
     (out / "quality.json").write_text(json.dumps(result, indent=2))
-    print(f"\n## quality ({args.budget}: {n_train:,} training conversations, {len(prompts)} held-out prompts, "
-          f"greedy, {args.max_new_tokens} new tokens, {args.device})\n")
-    print("| method | engine | K | acceptance length | tokens/forward | per position | tok/s |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        tpf = f"{r['tokens_per_forward']:.3f}" if r.get("tokens_per_forward") else "-"
-        print(f"| {r['method']} | {r['engine']} | {r['k']} | {r['acceptance_length']:.3f} | {tpf} | "
-              f"{', '.join(f'{p:.2f}' for p in r['per_position'])} | {r['tokens_per_s'] or 0:.1f} |")
-    print("\n| stage | wall time (s) |\n|---|---|")
-    for s, v in stage_s.items():
-        print(f"| {s} | {v:.1f} |" if v is not None else f"| {s} | - |")
+    print_rows(f"{args.budget}: {n_train:,} training conversations, {len(prompts)} held-out prompts, "
+               f"greedy, {args.max_new_tokens} new tokens, {args.device}", rows, stage_s)
     print(f"\nwrote {out / 'quality.json'}")
 
 
