@@ -170,3 +170,14 @@ def test_full_vocab_with_a_broken_map_is_refused(full_draft, tmp_path):
     with pytest.raises(NestlingError, match="not a permutation"):
         export(make_train_dir(bad, tmp_path / "t"), tmp_path / "d")
     assert not (tmp_path / "d").exists()
+
+
+def test_full_vocab_without_a_map_is_refused(full_draft, tmp_path):
+    from safetensors.torch import save_file
+
+    train = make_train_dir(full_draft, tmp_path / "t")
+    (train / "vocab.safetensors").unlink()
+    t = load_file(str(train / "model.safetensors"))
+    save_file({k: v for k, v in t.items() if k not in ("d2t", "t2d")}, str(train / "model.safetensors"))
+    with pytest.raises(NestlingError, match="no d2t"):
+        export(train, tmp_path / "d")

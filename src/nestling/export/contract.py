@@ -66,7 +66,10 @@ def engine_tensors(tensors: dict[str, torch.Tensor], c: DraftConfig) -> dict[str
         return dict(tensors)
     out = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
     d2t = tensors.get("d2t")
-    if d2t is None or "lm_head.weight" not in tensors:
+    if d2t is None:  # without it the order of the head rows is unknown
+        raise NestlingError("the trained draft has no d2t (vocab.safetensors): its lm_head rows cannot be put "
+                            "in target order; export the folder `nestling train` wrote")
+    if "lm_head.weight" not in tensors:
         return out  # check_tensors names what is missing
     ids = torch.arange(d2t.numel()) + d2t
     if d2t.numel() != c.vocab_size or not torch.equal(torch.sort(ids).values, torch.arange(c.vocab_size)):
