@@ -62,19 +62,15 @@ def test_fitted_draft_accepts_and_engines_agree(run):
 
 
 def test_layer_ids_vllm_feeds_the_trained_layers(run):
-    """Layer ids proven against the engine, with no vLLM internals patched.
-
-    The fitted draft's guesses are a function of the aux features it is given. The reference decoder
-    computes them from HF `hidden_states[i]` at nestling's ids i and predicts, step by step, which
-    drafts the target accepts; vLLM's counters are what vLLM actually accepted feeding the draft the
-    layers named by `eagle_aux_hidden_state_layer_ids`. If vLLM fed other layers (an off-by-one), its
-    per-position counts would match the reference run on the shifted ids instead. So: vLLM's counts
-    must be (nearly) those of the reference at nestling's ids, and clearly farther from the reference
-    at ids shifted by -1 and +1 (that half is `test_layer_ids_shift_is_detectable`, xfail for now:
-    this draft is not sensitive enough to a one-layer shift).
+    """Layer ids, indirectly, on SmolLM2 with no vLLM internals touched: the fitted draft's guesses
+    depend on the aux features it is given; the reference decoder computes them from HF
+    `hidden_states[i]` at nestling's ids, vLLM from the layers `eagle_aux_hidden_state_layer_ids`
+    names. vLLM's per-position acceptance counts must (nearly) equal the reference's. This draft is
+    too insensitive to tell a one-layer shift apart (measured: ref at ids-1 / ids+1 [61,3,0] vs vLLM
+    [62,1,0]); the direct proof, which compares the tensor vLLM hands the draft with nestling's hf
+    capture and fails on a shift, is tests/test_export_vllm.py::test_layer_ids_vllm_feeds_the_trained_layers_direct.
     """
     v = run["vllm"]["drafts"][0]
-    aux = run["aux"]
 
     def dist(r):
         return sum(abs(a - b) for a, b in zip(r["accepted_per_pos"], v["accepted_per_pos"]))
@@ -82,18 +78,3 @@ def test_layer_ids_vllm_feeds_the_trained_layers(run):
     same = dist(_reference(run, run["fit_dir"]))
     assert same <= 0.05 * sum(v["accepted_per_pos"]) + 2
     assert _reference(run, run["fit_dir"])["num_drafts"] == v["num_drafts"]
-
-
-@pytest.mark.xfail(strict=False, reason="measured 2026-12-02: a step-0-fitted draft barely notices a one-layer "
-                   "shift (ref at ids-1 / ids+1: [61,3,0] vs vLLM [62,1,0]); needs a draft fed layer deltas "
-                   "(fc = +I on id k+1, -I on id k) to make the shift visible")
-def test_layer_ids_shift_is_detectable(run):
-    v = run["vllm"]["drafts"][0]
-    aux = run["aux"]
-
-    def dist(r):
-        return sum(abs(a - b) for a, b in zip(r["accepted_per_pos"], v["accepted_per_pos"]))
-
-    same = dist(_reference(run, run["fit_dir"]))
-    shifted = [dist(_reference(run, run["fit_dir"], [i + s for i in aux])) for s in (-1, 1)]
-    assert min(shifted) > 3 * same + 5, (same, shifted)

@@ -106,3 +106,78 @@ def test_cli_export(train_dir, tmp_path):
     assert main(["export", str(train_dir), "dtype=float32", "--out", str(tmp_path / "c")]) == 0
     assert load_file(str(tmp_path / "c" / "model.safetensors"))["norm.weight"].dtype == torch.float32
     assert main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "c2")]) == 1
+
+
+# ---- a draft over the whole target vocabulary --------------------------------------------------------
+# vLLM 0.32 has no draft_id_to_target_id parameter when draft_vocab_size == the target's vocabulary,
+# so such a folder must hold no d2t (tests/test_export_vllm.py loads it in the real engine).
+
+FULL = 49152  # the tiny target's vocabulary
+
+
+@pytest.fixture(scope="module")
+def full_draft(tiny_target):
+    return new_draft(tiny_target("llama"), AUX, draft_vocab_size=FULL, seed=2)
+
+
+def _permuted(draft, seed: int = 0):
+    """The same function with draft ids in a shuffled order (row i predicts target perm[i])."""
+    import copy
+
+    d = copy.deepcopy(draft)
+    perm = torch.randperm(FULL, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        d.lm_head.weight.copy_(draft.lm_head.weight[perm])
+        d.d2t.copy_(perm - torch.arange(FULL))
+    return d, perm
+
+
+def test_full_vocab_folder_has_no_vocab_map(full_draft, tmp_path):
+    out = export(make_train_dir(full_draft, tmp_path / "t"), tmp_path / "d", ExportSettings(dtype="float32"))
+    cfg = json.loads((out / "config.json").read_text())
+    t = load_file(str(out / "model.safetensors"))
+    assert cfg["draft_vocab_size"] == cfg["vocab_size"] == FULL
+    assert "d2t" not in t and "t2d" not in t  # vLLM would fail on d2t; t2d carries nothing
+    assert set(t) == set(contract.expected_tensors(contract.draft_config_from_native(cfg), torch.float32))
+    assert torch.equal(t["lm_head.weight"], full_draft.lm_head.weight)  # nestling's order is the identity already
+    # SGLang: without d2t no hot_token_id, draft id == target id; lm_head covers every target id
+    assert t["lm_head.weight"].shape[0] == cfg["vocab_size"]
+
+
+def test_full_vocab_in_shuffled_order_is_reordered_not_changed(full_draft, tiny_target, tmp_path):
+    """A full vocabulary whose draft ids are not in target order: the head rows move to target order,
+    so the engines (which read row i as token i) and nestling's decoder compute the same logits."""
+    from nestling.evaluate.specdec import load_draft
+    from nestling.target.load import load_model
+
+    shuffled, perm = _permuted(full_draft)
+    out = export(make_train_dir(shuffled, tmp_path / "t"), tmp_path / "d", ExportSettings(dtype="float32"))
+    t = load_file(str(out / "model.safetensors"))
+    assert "d2t" not in t and torch.equal(t["lm_head.weight"], full_draft.lm_head.weight)
+    loaded = load_draft(out, load_model(tiny_target("llama"), dtype="float32"))  # the reference decoder's loader
+    assert torch.equal(loaded.d2t, torch.zeros(FULL, dtype=torch.long)) and bool(loaded.t2d.all())
+    h = torch.randn(1, 5, 128, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        by_target_id = torch.empty(1, 5, FULL)
+        by_target_id[..., perm] = shuffled.logits(h)  # shuffled draft's logits put at their target ids
+        assert torch.allclose(loaded.logits(h), by_target_id, atol=1e-6)
+
+
+def test_full_vocab_with_a_broken_map_is_refused(full_draft, tmp_path):
+    bad, _ = _permuted(full_draft)
+    with torch.no_grad():
+        bad.d2t[1] = bad.d2t[0] - 1  # draft ids 0 and 1 both name the same target token
+    with pytest.raises(NestlingError, match="not a permutation"):
+        export(make_train_dir(bad, tmp_path / "t"), tmp_path / "d")
+    assert not (tmp_path / "d").exists()
+
+
+def test_full_vocab_without_a_map_is_refused(full_draft, tmp_path):
+    from safetensors.torch import save_file
+
+    train = make_train_dir(full_draft, tmp_path / "t")
+    (train / "vocab.safetensors").unlink()
+    t = load_file(str(train / "model.safetensors"))
+    save_file({k: v for k, v in t.items() if k not in ("d2t", "t2d")}, str(train / "model.safetensors"))
+    with pytest.raises(NestlingError, match="no d2t"):
+        export(train, tmp_path / "d")

@@ -12,6 +12,13 @@ Layer ids. nestling uses Hugging Face `hidden_states` indexing (id k = input of 
 vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` first (gpu_model_runner,
 `_get_eagle3_aux_layers_from_config`); SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids`.
 The folder therefore carries both, each in its engine's own convention.
+
+Vocabulary map. vLLM 0.32 (`Eagle3LlamaForCausalLM.__init__`) creates `draft_id_to_target_id` (what
+`d2t` loads into) only when `draft_vocab_size` differs from the target's vocabulary; with equal sizes
+the draft's logits *are* target logits, row i = token i, and a `d2t` in the file fails the load
+("no parameter draft_id_to_target_id"). So a full-vocabulary draft is written without `d2t`/`t2d`,
+its `lm_head` rows in target-id order (`engine_tensors`). SGLang needs nothing either: without `d2t`
+it sets no `hot_token_id` and reads draft ids as target ids; `t2d` it ignores anyway.
 """
 
 from __future__ import annotations
@@ -43,8 +50,53 @@ def nestling_ids_from_sglang(ids: list[int]) -> list[int]:
     return [int(i) + 1 for i in ids]
 
 
+def full_vocab(c: DraftConfig) -> bool:
+    """The draft predicts over the whole target vocabulary: the folder holds no d2t / t2d."""
+    return c.draft_vocab_size == c.vocab_size
+
+
+def engine_tensors(tensors: dict[str, torch.Tensor], c: DraftConfig) -> dict[str, torch.Tensor]:
+    """Trained tensors (always with d2t / t2d) -> the tensors an engine loads.
+
+    A reduced vocabulary keeps its map. A full one drops it, after putting `lm_head` row i at target
+    id `i + d2t[i]` (a pure reordering, so the draft computes the same function); nestling's own
+    vocabularies are in ascending target order already (`draft/vocab.py`), making this the identity.
+    """
+    if not full_vocab(c):
+        return dict(tensors)
+    out = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
+    d2t = tensors.get("d2t")
+    if d2t is None:  # without it the order of the head rows is unknown
+        raise NestlingError("the trained draft has no d2t (vocab.safetensors): its lm_head rows cannot be put "
+                            "in target order; export the folder `nestling train` wrote")
+    if "lm_head.weight" not in tensors:
+        return out  # check_tensors names what is missing
+    ids = torch.arange(d2t.numel()) + d2t
+    if d2t.numel() != c.vocab_size or not torch.equal(torch.sort(ids).values, torch.arange(c.vocab_size)):
+        raise NestlingError(f"the draft vocabulary covers all {c.vocab_size} target tokens, but d2t is not a "
+                            f"permutation of them (some token appears twice or is out of range); rebuild the "
+                            f"vocabulary (`nestling train` writes vocab.safetensors)")
+    head = tensors["lm_head.weight"]
+    if not torch.equal(ids, torch.arange(c.vocab_size)):
+        reordered = torch.empty_like(head)
+        reordered[ids] = head
+        head = reordered
+    out["lm_head.weight"] = head
+    return out
+
+
+def with_vocab_map(tensors: dict[str, torch.Tensor], c: DraftConfig) -> dict[str, torch.Tensor]:
+    """An exported folder's tensors -> nestling's draft (which always carries d2t / t2d): identity for
+    a full-vocabulary folder that, as the engines need, holds none."""
+    if not full_vocab(c) or "d2t" in tensors:
+        return tensors
+    return {**tensors, "d2t": torch.zeros(c.vocab_size, dtype=torch.int64),
+            "t2d": torch.ones(c.vocab_size, dtype=torch.bool)}
+
+
 def expected_tensors(c: DraftConfig, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """name -> (shape, dtype) of every tensor in model.safetensors; nothing more, nothing less."""
+    """name -> (shape, dtype) of every tensor in model.safetensors; nothing more, nothing less.
+    A full-vocabulary draft has no d2t / t2d (see the module docstring: vLLM refuses them)."""
     H, I = c.hidden_size, c.intermediate_size
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     n_aux = len(c.aux_layer_ids)
@@ -63,9 +115,10 @@ def expected_tensors(c: DraftConfig, dtype: torch.dtype) -> dict[str, tuple[tupl
         m + "mlp.down_proj.weight": ((H, I), dtype),
         "norm.weight": ((H,), dtype),
         "lm_head.weight": ((c.draft_vocab_size, H), dtype),
-        "d2t": ((c.draft_vocab_size,), torch.int64),
-        "t2d": ((c.vocab_size,), torch.bool),
     }
+    if not full_vocab(c):
+        out["d2t"] = ((c.draft_vocab_size,), torch.int64)
+        out["t2d"] = ((c.vocab_size,), torch.bool)
     return out
 
 

@@ -84,6 +84,7 @@ def export(train_dir: str | Path, out: str | Path, settings: ExportSettings | No
         cfg.target_fingerprint = manifest["inputs"]["target"]
     dtype = contract.FLOAT_DTYPES[settings.dtype]
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
+    tensors = contract.engine_tensors(tensors, cfg)  # full vocabulary: no d2t / t2d (vLLM refuses them)
     contract.check_tensors(tensors, cfg, dtype, where=f"{train_dir} weights")
 
     target_cfg = json.loads((target / "config.json").read_text())

@@ -1,0 +1,100 @@
+"""Exported drafts in the real vLLM engine (CPU build), on a tiny fp32 target, in one subprocess:
+the target alone, then the target with a full-vocabulary nestling draft, while the engine's
+`combine_hidden_states` input is recorded (tests/vllm_layer_probe.py).
+
+- A draft over the whole target vocabulary loads (vLLM 0.32 has no `draft_id_to_target_id` for it,
+  so the folder holds no d2t) and greedy outputs with it equal those without it.
+- Layer ids, proven directly: the aux states vLLM feeds the draft at serving time equal nestling's hf
+  capture of the same prompt at the draft's ids, and differ from the capture at ids shifted by +-1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle_helpers import PROMPTS, make_train_dir, new_draft, render
+from nestling.export import ExportSettings, export
+
+pytestmark = pytest.mark.vllm
+
+AUX = [1, 3, 4]  # tiny llama: 6 layers, so ids -1 ([0, 2, 3]) and +1 ([2, 4, 5]) exist too
+K = 3
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def probe(tiny_target, tmp_path_factory):
+    import nestling
+
+    target = tiny_target("llama")
+    root = tmp_path_factory.mktemp("probe")
+    full = new_draft(target, AUX, draft_vocab_size=49152, seed=3)  # the whole vocabulary
+    draft = export(make_train_dir(full, root / "train"), root / "draft", ExportSettings(dtype="float32"))
+    prompts = render(target, PROMPTS[:3])
+    spec = dict(target=str(target), drafts=[str(draft)], k=K, prompts=prompts, max_new_tokens=NEW,
+                temperature=0.0, dtype="float32", max_model_len=512, seed=0, baseline=True, ignore_eos=True)
+    (root / "spec.json").write_text(json.dumps(spec))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([str(Path(nestling.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    script = Path(__file__).with_name("vllm_layer_probe.py")
+    r = subprocess.run([sys.executable, str(script), str(root / "spec.json"), str(root / "result.json"),
+                        str(root / "states.safetensors")], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = json.loads((root / "result.json").read_text())
+    return dict(target=target, draft=draft, prompts=prompts, res=res, states=root / "states.safetensors")
+
+
+def test_full_vocab_draft_loads_and_greedy_outputs_are_unchanged(probe):
+    from safetensors.torch import load_file
+
+    assert "d2t" not in load_file(str(probe["draft"] / "model.safetensors"))
+    base = probe["res"]["baseline"]["outputs"]
+    (d,) = probe["res"]["drafts"]
+    assert d["metrics"]["num_drafts"] > 0  # the draft really ran
+    assert all(len(o) == NEW for o in base)
+    print(f"[full vocab] drafts {d['metrics']['num_drafts']}, combine calls {probe['res']['combine_calls'][:6]}")
+    assert d["outputs"] == base  # fp32 greedy: token-identical with and without the draft
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_layer_ids_vllm_feeds_the_trained_layers_direct(probe):
+    """What vLLM hands the draft for prompt 0's prefill == nestling's hf capture at the draft's ids
+    (slot by slot, fp32), and != the capture at ids shifted by -1 or +1 (so the test can fail)."""
+    from safetensors.torch import load_file
+
+    from nestling.capture.hf import HFBackend
+    from nestling.capture.settings import CaptureSettings
+
+    assert probe["states"].exists(), f"no prefill call recorded; calls: {probe['res']['combine_calls']}"
+    fed = load_file(str(probe["states"]))["prefill"]  # [T, 3H] in eagle_aux_hidden_state_layer_ids order
+    prompt = probe["prompts"][0]
+    T, H = len(prompt), 128
+    assert fed.shape == (T, len(AUX) * H)
+    fed = fed.view(T, len(AUX), H)
+
+    def capture(ids: list[int]) -> torch.Tensor:
+        b = HFBackend(probe["target"], ids, CaptureSettings(dtype="float32", device="cpu"))
+        try:
+            return b.capture([prompt]).float()  # [T, len(ids), H]
+        finally:
+            b.close()
+
+    same = [_rel(fed[:, j], c) for j, c in enumerate(capture(AUX).unbind(1))]
+    print(f"[layer ids] relative error at nestling's ids {AUX}: {same}")
+    assert max(same) < 1e-4, same
+    for shift in (-1, 1):
+        moved = capture([i + shift for i in AUX])
+        errs = [_rel(fed[:, j], c) for j, c in enumerate(moved.unbind(1))]
+        print(f"[layer ids] ... at ids {[i + shift for i in AUX]}: {errs}")
+        assert min(errs) > 1e-2, (shift, errs)  # every slot is clearly another layer
