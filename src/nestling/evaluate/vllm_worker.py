@@ -28,9 +28,33 @@ def _metrics(llm) -> dict:
     return out
 
 
-def _generate(llm, prompts: list[list[int]], params) -> tuple[list[list[int]], float]:
+PROGRESS = "[eval vllm]"  # lines with this prefix are forwarded to the caller's log
+
+
+def line_progress(label: str):
+    """A tqdm class for `LLM.generate(use_tqdm=...)` that prints whole lines, at most every 10 s.
+
+    The caller forwards them to its log, where `tail -f` sees them; tqdm's own carriage-return
+    redraws would show nothing until the end."""
+    from tqdm.auto import tqdm
+
+    class LineTqdm(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs.update(file=sys.stdout, mininterval=10.0, dynamic_ncols=False, desc=f"{PROGRESS} {label}",
+                          bar_format="{desc}: {n_fmt}/{total_fmt} prompts, elapsed {elapsed}, ETA {remaining}{postfix}")
+            super().__init__(*args, **kwargs)
+
+        def display(self, msg=None, pos=None):
+            print(self.format_meter(**self.format_dict), file=sys.stdout, flush=True)
+            return True
+
+    return LineTqdm
+
+
+def _generate(llm, prompts: list[list[int]], params, label: str | None = None) -> tuple[list[list[int]], float]:
     t0 = time.perf_counter()
-    res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                       use_tqdm=line_progress(label) if label else False)
     dt = time.perf_counter() - t0
     return [list(r.outputs[0].token_ids) for r in res], dt
 
@@ -47,7 +71,7 @@ def run(spec: dict) -> dict:
     if spec.get("baseline", True):
         llm = LLM(**common)
         _generate(llm, spec["prompts"][:1], params)  # warm-up: first call compiles / allocates
-        outs, dt = _generate(llm, spec["prompts"], params)
+        outs, dt = _generate(llm, spec["prompts"], params, "target alone")
         result["baseline"] = {"outputs": outs, "seconds": dt, "tokens": sum(map(len, outs))}
         del llm
         gc.collect()
@@ -57,7 +81,7 @@ def run(spec: dict) -> dict:
                                                 "num_speculative_tokens": spec["k"]})
         _generate(llm, spec["prompts"][:1], params)
         before = _metrics(llm)
-        outs, dt = _generate(llm, spec["prompts"], params)
+        outs, dt = _generate(llm, spec["prompts"], params, f"with draft, k={spec['k']}")
         after = _metrics(llm)
         diff = {k: ([a - b for a, b in zip(v, before.get(k, [0.0] * len(v)))] if isinstance(v, list)
                     else v - before.get(k, 0.0)) for k, v in after.items()}
