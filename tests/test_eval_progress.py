@@ -33,6 +33,11 @@ def test_line_progress_prints_whole_lines_with_counts(capsys):
     for _ in range(3):
         bar.update(1)
     bar.close()
+    bar.refresh()  # a redraw of the same state prints nothing new
     lines = [x for x in capsys.readouterr().out.splitlines() if x]
     assert lines and all(x.startswith(f"{PROGRESS} with draft, k=3: ") for x in lines)
-    assert "\r" not in "".join(lines) and "3/3 prompts" in lines[-1]
+    assert "\r" not in "".join(lines) and "3/3 prompts" in lines[-1] and len(lines) == len(set(lines))
+    adding = line_progress("x")(total=3, desc="Adding requests")  # vLLM's other bar: silent
+    adding.update(3)
+    adding.close()
+    assert capsys.readouterr().out == ""

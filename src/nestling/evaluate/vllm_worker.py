@@ -40,12 +40,18 @@ def line_progress(label: str):
 
     class LineTqdm(tqdm):
         def __init__(self, *args, **kwargs):
+            # vLLM also shows a bar while it adds the requests (no speed postfix): only generation counts
             kwargs.update(file=sys.stdout, mininterval=10.0, dynamic_ncols=False, desc=f"{PROGRESS} {label}",
+                          disable=kwargs.get("disable", False) or "postfix" not in kwargs,
                           bar_format="{desc}: {n_fmt}/{total_fmt} prompts, elapsed {elapsed}, ETA {remaining}{postfix}")
+            self._last = ""
             super().__init__(*args, **kwargs)
 
         def display(self, msg=None, pos=None):
-            print(self.format_meter(**self.format_dict), file=sys.stdout, flush=True)
+            line = self.format_meter(**self.format_dict)
+            if line != self._last:  # tqdm redraws on refresh and again on close
+                print(line, file=sys.stdout, flush=True)
+                self._last = line
             return True
 
     return LineTqdm
