@@ -28,6 +28,8 @@ from pathlib import Path
 from nestling.errors import NestlingError
 
 BPE_CACHE_WORDS = 1_000_000
+PIECE_CACHE_CHARS = 256  # pieces up to this long are remembered: role headers, "\n", a default system prompt
+PIECE_CACHE_ENTRIES = 100_000
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -52,6 +54,7 @@ class ChatFormat:
     special_ids: frozenset[int]
     special_re: re.Pattern
     uses_generation_tags: bool
+    piece_cache: dict = field(default_factory=dict, repr=False)  # short piece text -> its token ids
 
     @property
     def mask_method(self) -> str:
@@ -287,24 +290,51 @@ def _encode_by_segments(fmt: ChatFormat, backend, special_id: dict[str, int], pl
             pos = z
         pieces.append(p.text[pos:])
     windows = [p.text[s:b] for p in plans for (b, s, _) in p.turns]
-    encs = backend.encode_batch_fast(pieces + windows, add_special_tokens=False) if pieces else []
+    encs = _tokenize_pieces(fmt, backend, pieces + windows)
     it = iter(encs[:len(pieces)])
     local = iter(encs[len(pieces):])
     for p in plans:
         ids: list[int] = []
         start_tok: dict[int, int] = {}  # char start of a special token -> its token index
         for a, z in p.specials:
-            ids += next(it).ids
+            ids += next(it)
             start_tok[a] = len(ids)
             ids.append(special_id[p.text[a:z]])
-        ids += next(it).ids
+        ids += next(it)
         end_tok = {z: start_tok[a] for a, z in p.specials}  # char end of a special token -> its token index
         spans = []
         for (b, s, e) in p.turns:
-            window = next(local).ids
+            window = next(local)
             ks = start_tok[s] if s else 0
             kb = ks + len(window)
             je = end_tok[e]
             ok = (s == 0 or s in start_tok) and kb < len(ids) and ids[ks:kb] == window and je >= kb
             spans.append((kb, je) if ok else None)
         _finish(p, ids, spans, np.zeros(len(ids), dtype=np.int8))
+
+
+def _tokenize_pieces(fmt: ChatFormat, backend, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, each distinct text tokenized once (tokenizing is a pure function of the text).
+
+    Half of all pieces are the same few short strings (the newline between turns, role headers, the
+    assistant-header window, a default system prompt); each costs the Rust tokenizer 10-60 us per call,
+    so short pieces are remembered across batches in `fmt.piece_cache`.
+    """
+    cache = fmt.piece_cache
+    out: list[list[int]] = [None] * len(texts)  # type: ignore[list-item]
+    todo: dict[str, list[int]] = {}  # text -> its positions in `texts`
+    for k, t in enumerate(texts):
+        ids = cache.get(t)
+        if ids is None:
+            todo.setdefault(t, []).append(k)
+        else:
+            out[k] = ids
+    if todo:
+        keys = list(todo)
+        for t, enc in zip(keys, backend.encode_batch_fast(keys, add_special_tokens=False)):
+            ids = enc.ids
+            for k in todo[t]:
+                out[k] = ids
+            if len(t) <= PIECE_CACHE_CHARS and len(cache) < PIECE_CACHE_ENTRIES:
+                cache[t] = ids
+    return out
