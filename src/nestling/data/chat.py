@@ -90,6 +90,47 @@ def chat_format(tokenizer, template: str | None = None) -> ChatFormat:
     return ChatFormat(tokenizer, template, kwargs, special_ids, special_re, bool(GENERATION_TAG.search(template)))
 
 
+class FileTokenizer:
+    """What `chat_format` reads from a tokenizer, straight from a model folder's files, without transformers.
+
+    Importing transformers' AutoTokenizer costs ~8 s on a small machine (it imports torch); worker
+    processes can start rendering and tokenizing with this meanwhile. It is a guess of what AutoTokenizer
+    builds: `format_key` of both must be equal before its results count (transformers may rebuild the
+    backend, e.g. Qwen2Tokenizer adds an NFC normalizer, or pick another template).
+    """
+
+    is_fast = True
+
+    def __init__(self, folder: str | Path):
+        import json
+
+        from tokenizers import Tokenizer
+
+        folder = Path(folder)
+        self.backend_tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self.added_tokens_decoder = self.backend_tokenizer.get_added_tokens_decoder()
+        config = json.loads((folder / "tokenizer_config.json").read_text()) if (folder / "tokenizer_config.json").exists() else {}
+        names = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+        values = {k: config.get(k) for k in names}
+        values = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in values.items()}
+        self.special_tokens_map = {k: v for k, v in values.items() if isinstance(v, str)}
+        template = config.get("chat_template")
+        if (folder / "chat_template.jinja").exists():
+            template = (folder / "chat_template.jinja").read_text()
+        if isinstance(template, list):
+            template = {t["name"]: t["template"] for t in template}
+        self.chat_template = template
+
+
+def format_key(fmt: ChatFormat) -> tuple:
+    """Everything `encode_conversations` reads from a ChatFormat: equal keys give identical output."""
+    be = fmt.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
+    added = sorted((int(i), str(t.content), bool(t.special), bool(t.normalized), bool(t.lstrip), bool(t.rstrip),
+                    bool(t.single_word)) for i, t in fmt.tokenizer.added_tokens_decoder.items())  # type: ignore[attr-defined]
+    return (be.to_str(), bool(getattr(be, "encode_special_tokens", False)), fmt.template,
+            sorted(fmt.template_kwargs.items()), added)
+
+
 def render(fmt: ChatFormat, messages: list[dict], add_generation_prompt: bool = False,
            with_spans: bool = False) -> tuple[str, list[tuple[int, int]]]:
     from transformers.utils.chat_template_utils import render_jinja_template
