@@ -21,7 +21,7 @@ from nestling.data.prepare import prepare_data
 from nestling.data.readers import read_input
 from nestling.data.settings import DataSettings
 
-N = 200  # ShareGPT records: several worker chunks of 64
+N = 130  # ShareGPT records: three worker chunks of 64
 
 
 def tables(folder) -> list:
