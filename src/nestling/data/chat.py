@@ -28,6 +28,8 @@ from pathlib import Path
 from nestling.errors import NestlingError
 
 BPE_CACHE_WORDS = 1_000_000
+PIECE_CACHE_CHARS = 256  # pieces up to this long are remembered: role headers, "\n", a default system prompt
+PIECE_CACHE_ENTRIES = 100_000
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -52,6 +54,7 @@ class ChatFormat:
     special_ids: frozenset[int]
     special_re: re.Pattern
     uses_generation_tags: bool
+    piece_cache: dict = field(default_factory=dict, repr=False)  # short piece text -> its token ids
 
     @property
     def mask_method(self) -> str:
@@ -85,6 +88,47 @@ def chat_format(tokenizer, template: str | None = None) -> ChatFormat:
         # distinct words, and a larger cache makes tokenizing ~25% faster with identical output.
         model._resize_cache(BPE_CACHE_WORDS)
     return ChatFormat(tokenizer, template, kwargs, special_ids, special_re, bool(GENERATION_TAG.search(template)))
+
+
+class FileTokenizer:
+    """What `chat_format` reads from a tokenizer, straight from a model folder's files, without transformers.
+
+    Importing transformers' AutoTokenizer costs ~8 s on a small machine (it imports torch); worker
+    processes can start rendering and tokenizing with this meanwhile. It is a guess of what AutoTokenizer
+    builds: `format_key` of both must be equal before its results count (transformers may rebuild the
+    backend, e.g. Qwen2Tokenizer adds an NFC normalizer, or pick another template).
+    """
+
+    is_fast = True
+
+    def __init__(self, folder: str | Path):
+        import json
+
+        from tokenizers import Tokenizer
+
+        folder = Path(folder)
+        self.backend_tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self.added_tokens_decoder = self.backend_tokenizer.get_added_tokens_decoder()
+        config = json.loads((folder / "tokenizer_config.json").read_text()) if (folder / "tokenizer_config.json").exists() else {}
+        names = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+        values = {k: config.get(k) for k in names}
+        values = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in values.items()}
+        self.special_tokens_map = {k: v for k, v in values.items() if isinstance(v, str)}
+        template = config.get("chat_template")
+        if (folder / "chat_template.jinja").exists():
+            template = (folder / "chat_template.jinja").read_text()
+        if isinstance(template, list):
+            template = {t["name"]: t["template"] for t in template}
+        self.chat_template = template
+
+
+def format_key(fmt: ChatFormat) -> tuple:
+    """Everything `encode_conversations` reads from a ChatFormat: equal keys give identical output."""
+    be = fmt.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
+    added = sorted((int(i), str(t.content), bool(t.special), bool(t.normalized), bool(t.lstrip), bool(t.rstrip),
+                    bool(t.single_word)) for i, t in fmt.tokenizer.added_tokens_decoder.items())  # type: ignore[attr-defined]
+    return (be.to_str(), bool(getattr(be, "encode_special_tokens", False)), fmt.template,
+            sorted(fmt.template_kwargs.items()), added)
 
 
 def render(fmt: ChatFormat, messages: list[dict], add_generation_prompt: bool = False,
@@ -287,24 +331,51 @@ def _encode_by_segments(fmt: ChatFormat, backend, special_id: dict[str, int], pl
             pos = z
         pieces.append(p.text[pos:])
     windows = [p.text[s:b] for p in plans for (b, s, _) in p.turns]
-    encs = backend.encode_batch_fast(pieces + windows, add_special_tokens=False) if pieces else []
+    encs = _tokenize_pieces(fmt, backend, pieces + windows)
     it = iter(encs[:len(pieces)])
     local = iter(encs[len(pieces):])
     for p in plans:
         ids: list[int] = []
         start_tok: dict[int, int] = {}  # char start of a special token -> its token index
         for a, z in p.specials:
-            ids += next(it).ids
+            ids += next(it)
             start_tok[a] = len(ids)
             ids.append(special_id[p.text[a:z]])
-        ids += next(it).ids
+        ids += next(it)
         end_tok = {z: start_tok[a] for a, z in p.specials}  # char end of a special token -> its token index
         spans = []
         for (b, s, e) in p.turns:
-            window = next(local).ids
+            window = next(local)
             ks = start_tok[s] if s else 0
             kb = ks + len(window)
             je = end_tok[e]
             ok = (s == 0 or s in start_tok) and kb < len(ids) and ids[ks:kb] == window and je >= kb
             spans.append((kb, je) if ok else None)
         _finish(p, ids, spans, np.zeros(len(ids), dtype=np.int8))
+
+
+def _tokenize_pieces(fmt: ChatFormat, backend, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, each distinct text tokenized once (tokenizing is a pure function of the text).
+
+    Half of all pieces are the same few short strings (the newline between turns, role headers, the
+    assistant-header window, a default system prompt); each costs the Rust tokenizer 10-60 us per call,
+    so short pieces are remembered across batches in `fmt.piece_cache`.
+    """
+    cache = fmt.piece_cache
+    out: list[list[int]] = [None] * len(texts)  # type: ignore[list-item]
+    todo: dict[str, list[int]] = {}  # text -> its positions in `texts`
+    for k, t in enumerate(texts):
+        ids = cache.get(t)
+        if ids is None:
+            todo.setdefault(t, []).append(k)
+        else:
+            out[k] = ids
+    if todo:
+        keys = list(todo)
+        for t, enc in zip(keys, backend.encode_batch_fast(keys, add_special_tokens=False)):
+            ids = enc.ids
+            for k in todo[t]:
+                out[k] = ids
+            if len(t) <= PIECE_CACHE_CHARS and len(cache) < PIECE_CACHE_ENTRIES:
+                cache[t] = ids
+    return out

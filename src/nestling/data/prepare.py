@@ -103,7 +103,7 @@ def _process(span: tuple[int, int]) -> list[Outcome]:
             if not mask.any():
                 o.drop = "no_supervised_tokens"
                 continue
-            o.input_ids = np.asarray(ids, dtype=np.int32)
+            o.input_ids = np.fromiter(ids, dtype=np.int32, count=len(ids))  # ~3x faster than asarray for a list
             o.loss_mask = mask
     for o in outcomes:
         o.altered = sorted(set(o.altered))
@@ -139,14 +139,63 @@ def _clear(out: Path) -> None:
         f.unlink()
 
 
+def _read_inputs(inputs: list[Path], settings: DataSettings) -> tuple[list[tuple[str, RawRecord]], list[InputReport]]:
+    records: list[tuple[str, RawRecord]] = []
+    reports: list[InputReport] = []
+    for p, name in zip(inputs, _sample_names(inputs)):
+        recs, report = read_input(p, settings.limit)
+        if report.stopped:
+            log(f"[data] warning: {p}: reading stopped early at {report.stopped}; kept the {len(recs) - 1} complete records before it")
+        reports.append(report)
+        records += [(f"{name}:{r.index}", r) for r in recs]
+    return records, reports
+
+
+def _start_pool(workers: int, target_dir: Path, template: str | None, settings: DataSettings, records, spans):
+    """Worker processes over the record spans; returns (pool, iterator of outcome lists in input order)."""
+    if "fork" in mp.get_all_start_methods():
+        pool = mp.get_context("fork").Pool(workers, _init_worker, (str(target_dir), template, settings))
+    else:  # spawn: each worker loads the tokenizer and receives the records
+        pool = mp.get_context("spawn").Pool(workers, _init_worker, (str(target_dir), template, settings, records))
+    return pool, pool.imap(_process, spans, chunksize=1)
+
+
+@dataclass
+class _HeadStart:
+    """Workers started on a tokenizer read from the target's files, before AutoTokenizer was loaded."""
+
+    guess: object  # the ChatFormat they use
+    records: list
+    reports: list
+    pool: object
+    results: object
+    started: float = field(default_factory=time.monotonic)
+
+
+def _head_start(inputs: list[Path], target_dir: Path, template: str | None, settings: DataSettings,
+                workers: int) -> _HeadStart | None:
+    """Read the inputs and fork the workers on `FileTokenizer(target)` (no transformers import needed)."""
+    from nestling.data.chat import FileTokenizer, chat_format
+
+    try:
+        guess = chat_format(FileTokenizer(target_dir), template)
+    except Exception:  # noqa: BLE001 - only a head start: anything unusual means "wait for AutoTokenizer"
+        return None
+    records, reports = _read_inputs(inputs, settings)
+    spans = [(i, min(i + CHUNK, len(records))) for i in range(0, len(records), CHUNK)]
+    workers = min(workers, len(spans))
+    if workers < 2:
+        return None
+    _STATE.clear()
+    _STATE.update(fmt=guess, settings=settings, records=records)
+    return _HeadStart(guess, records, reports, *_start_pool(workers, target_dir, template, settings, records, spans))
+
+
 def prepare_data(inputs: list[str | Path] | str | Path, target: str | Path, out: str | Path,
                  settings: DataSettings | None = None) -> dict:
     """Tokenize chat data for `target` into `out`; returns the manifest (see docs/data.md)."""
-    from transformers import AutoTokenizer
-
-    from nestling.data.chat import chat_format, read_template
-    from nestling.manifest import read_manifest
-    from nestling.target.load import resolve_target, tokenizer_fingerprint
+    from nestling.data.chat import read_template
+    from nestling.target.load import resolve_target
 
     settings = settings or DataSettings()
     inputs = [Path(p) for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
@@ -159,8 +208,35 @@ def prepare_data(inputs: list[str | Path] | str | Path, target: str | Path, out:
     if out.exists() and not out.is_dir():
         raise NestlingError(f"--out {out} exists and is not a folder")
     target_dir = resolve_target(target)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
     template = read_template(settings.chat_template) if settings.chat_template else None
+
+    # Head start: with several workers and no previous result that could make this run a no-op, read
+    # the inputs and start the workers on a tokenizer read from the target's files while this process
+    # imports transformers (~8 s: it imports torch) and loads AutoTokenizer. Their results are used
+    # only if AutoTokenizer's tokenizer and template are identical (format_key); otherwise redone.
+    t0 = time.monotonic()
+    workers = settings.workers or os.cpu_count() or 1
+    early = None
+    if workers > 1 and "fork" in mp.get_all_start_methods() and not (out / MANIFEST).exists():
+        early = _head_start(inputs, target_dir, template, settings, workers)
+    try:
+        return _prepare(inputs, target_dir, template, out, settings, workers, t0, early)
+    finally:
+        if early is not None:
+            early.pool.terminate()  # type: ignore[attr-defined]
+            early.pool.join()  # type: ignore[attr-defined]
+        _STATE.clear()
+
+
+def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Path, settings: DataSettings,
+             workers: int, t0: float, early: _HeadStart | None) -> dict:
+    from transformers import AutoTokenizer
+
+    from nestling.data.chat import chat_format, format_key
+    from nestling.manifest import read_manifest
+    from nestling.target.load import tokenizer_fingerprint
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
     fmt = chat_format(tokenizer, template)
     tok_fp = tokenizer_fingerprint(tokenizer, fmt.template)
     input_fps = [hash_file(p) for p in inputs]
@@ -179,21 +255,23 @@ def prepare_data(inputs: list[str | Path] | str | Path, target: str | Path, out:
     elif out.exists() and any(out.glob("*.parquet")):
         log(f"[data] {out} holds an incomplete result (no {MANIFEST}); redoing it.")
 
-    t0 = time.monotonic()
-    records: list[tuple[str, RawRecord]] = []
-    reports: list[InputReport] = []
-    for p, name in zip(inputs, _sample_names(inputs)):
-        recs, report = read_input(p, settings.limit)
-        if report.stopped:
-            log(f"[data] warning: {p}: reading stopped early at {report.stopped}; kept the {len(recs) - 1} complete records before it")
-        reports.append(report)
-        records += [(f"{name}:{r.index}", r) for r in recs]
-    log(f"[data] read {len(records)} records from {len(inputs)} file(s) in {time.monotonic() - t0:.1f}s; "
+    results = None
+    if early is not None:
+        records, reports = early.records, early.reports
+        if format_key(early.guess) == format_key(fmt):  # type: ignore[arg-type]
+            results = early.results
+        else:
+            log("[data] AutoTokenizer's tokenizer or template differs from the one read from the target's files; "
+                "the workers start over with AutoTokenizer's")
+            early.pool.terminate()  # type: ignore[attr-defined]
+            early.pool.join()  # type: ignore[attr-defined]
+    else:
+        records, reports = _read_inputs(inputs, settings)
+    log(f"[data] read {len(records)} records from {len(inputs)} file(s); tokenizer and records ready after {time.monotonic() - t0:.1f}s; "
         f"loss mask by {fmt.mask_method}")
     out.mkdir(parents=True, exist_ok=True)  # only once every input has been read
     _clear(out)
 
-    workers = settings.workers or os.cpu_count() or 1
     workers = max(1, min(workers, (len(records) + CHUNK - 1) // CHUNK))
     spans = [(i, min(i + CHUNK, len(records))) for i in range(0, len(records), CHUNK)]
     _STATE.clear()
@@ -205,6 +283,8 @@ def prepare_data(inputs: list[str | Path] | str | Path, target: str | Path, out:
     buffers: dict[str, list[Sample]] = {s: [] for s in SPLITS}
     stats = {s: {"samples": 0, "tokens": 0, "supervised_tokens": 0, "files": []} for s in SPLITS}
     progress = Progress("data", total=len(records), unit="conv")
+    if results is not None:
+        progress._start = early.started  # type: ignore[union-attr]  # rates count from when the workers started
 
     def flush(split: str) -> None:
         if buffers[split]:
@@ -236,19 +316,16 @@ def prepare_data(inputs: list[str | Path] | str | Path, target: str | Path, out:
                 flush(split)
         progress.update(len(outcomes), tokens=tokens, kept=stats["train"]["samples"] + stats["heldout"]["samples"])
 
-    if workers == 1:
+    if results is not None:
+        for outcomes in results:
+            consume(outcomes)
+    elif workers == 1:
         for span in spans:
             consume(_process(span))
     else:
-        methods = mp.get_all_start_methods()
-        if "fork" in methods:
-            ctx = mp.get_context("fork")
-            pool = ctx.Pool(workers, _init_worker, (str(target_dir), template, settings))
-        else:  # spawn: each worker loads the tokenizer and receives the records
-            ctx = mp.get_context("spawn")
-            pool = ctx.Pool(workers, _init_worker, (str(target_dir), template, settings, records))
+        pool, results = _start_pool(workers, target_dir, template, settings, records, spans)
         try:
-            for outcomes in pool.imap(_process, spans, chunksize=1):
+            for outcomes in results:
                 consume(outcomes)
         finally:
             pool.terminate()

@@ -1,0 +1,95 @@
+"""The data stage's speed paths must not change a token or a mask bit.
+
+- the head start (workers begin on a tokenizer read from the target's files while AutoTokenizer loads)
+  is used only when AutoTokenizer's tokenizer and template are identical, and its output equals a
+  one-process run; when AutoTokenizer builds something else (Qwen2Tokenizer adds an NFC normalizer)
+  the workers start over with AutoTokenizer's;
+- the piece cache (short pieces tokenized once per process) gives the uncached ids.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+
+from nestling.data.chat import FileTokenizer, chat_format, encode_conversations, format_key
+from nestling.data.normalize import normalize_record
+from nestling.data.prepare import prepare_data
+from nestling.data.readers import read_input
+from nestling.data.settings import DataSettings
+
+N = 130  # ShareGPT records: three worker chunks of 64
+
+
+def tables(folder) -> list:
+    return [pq.read_table(f) for f in sorted(folder.glob("*.parquet"))]
+
+
+def assert_same_output(a, b, ma: dict, mb: dict) -> None:
+    ta, tb = tables(a), tables(b)
+    assert len(ta) == len(tb) > 0
+    assert all(x.equals(y) for x, y in zip(ta, tb))
+    for key in ("counts", "examples", "splits", "fingerprint", "mask_method"):
+        assert ma[key] == mb[key], key
+
+
+@pytest.mark.slow
+def test_head_start_output_equals_one_process(tmp_path, smollm2_dir, sharegpt_path, capsys):
+    from transformers import AutoTokenizer
+
+    assert format_key(chat_format(FileTokenizer(smollm2_dir))) == format_key(chat_format(AutoTokenizer.from_pretrained(smollm2_dir)))
+    kw = dict(limit=N, held_out=0.1, max_length=512)
+    one = prepare_data([sharegpt_path], smollm2_dir, tmp_path / "one", DataSettings(workers=1, **kw))
+    capsys.readouterr()
+    two = prepare_data([sharegpt_path], smollm2_dir, tmp_path / "two", DataSettings(workers=2, **kw))
+    assert "start over" not in capsys.readouterr().err
+    assert one["counts"]["kept"] > N // 2
+    assert_same_output(tmp_path / "one", tmp_path / "two", one, two)
+
+
+@pytest.fixture()
+def qwen2_target(tmp_path):
+    from nestling.assets import cache_dir
+
+    from test_data_chat import gguf_tokenizer
+
+    gguf_tokenizer("qwen2")  # makes sure the saved tokenizer folder exists
+    target = tmp_path / "qwen2-target"
+    shutil.copytree(cache_dir() / "vocab-tokenizers" / "qwen2", target)
+    (target / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    return target
+
+
+def test_head_start_is_discarded_when_autotokenizer_differs(tmp_path, qwen2_target, sharegpt_path, capsys):
+    from transformers import AutoTokenizer
+
+    real = chat_format(AutoTokenizer.from_pretrained(qwen2_target))
+    assert format_key(chat_format(FileTokenizer(qwen2_target))) != format_key(real)  # the NFC normalizer
+    kw = dict(limit=N, max_length=512)
+    one = prepare_data([sharegpt_path], qwen2_target, tmp_path / "one", DataSettings(workers=1, **kw))
+    capsys.readouterr()
+    two = prepare_data([sharegpt_path], qwen2_target, tmp_path / "two", DataSettings(workers=2, **kw))
+    assert "start over" in capsys.readouterr().err
+    assert_same_output(tmp_path / "one", tmp_path / "two", one, two)
+
+
+@pytest.mark.slow
+def test_piece_cache_gives_uncached_ids(smollm2_dir, sharegpt_path):
+    from transformers import AutoTokenizer
+
+    recs, _ = read_input(sharegpt_path, 100)
+    convs = [m for m in (normalize_record(r.data).messages for r in recs if r.data is not None) if m]
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    fmt = chat_format(tok)
+    first = encode_conversations(fmt, convs)
+    assert len(fmt.piece_cache) > 10  # role headers, "\n", the default system prompt were remembered
+    again = encode_conversations(fmt, convs)  # now mostly from the cache
+    fresh = encode_conversations(chat_format(tok), convs[::-1])[::-1]  # other batch order, empty cache
+    for a, b, c in zip(first, again, fresh):
+        assert a.drop == b.drop == c.drop
+        if a.drop is None:
+            assert list(a.input_ids) == list(b.input_ids) == list(c.input_ids)
+            assert list(a.loss_mask) == list(b.loss_mask) == list(c.loss_mask)
