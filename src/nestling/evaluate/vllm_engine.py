@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 from nestling.errors import NestlingError
+from nestling.evaluate.vllm_worker import PROGRESS
 from nestling.progress import log
 
 
@@ -44,7 +45,7 @@ def run_vllm(target: Path, draft: Path | list[Path], prompts: list[list[int]], k
     return res
 
 
-def run_forwarding(cmd: list[str], env: dict, timeout: float, prefix: str = "[eval vllm]") -> tuple[int, str]:
+def run_forwarding(cmd: list[str], env: dict, timeout: float, prefix: str = PROGRESS) -> tuple[int, str]:
     """Run `cmd`, log its lines that start with `prefix` as they come (progress of a long
     generate), keep the rest for the error message; kill it after `timeout` s. -> (rc, other output)."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
