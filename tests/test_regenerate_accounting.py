@@ -99,3 +99,27 @@ def test_unreachable_server_is_a_clear_error(tmp_path, tiny_target):
     s = RegenerateSettings(engine="openai", urls=["http://127.0.0.1:9"], retries=0)
     with pytest.raises(NestlingError, match="cannot reach the server"):
         regenerate(data, tiny_target("llama"), tmp_path / "out", s)
+
+
+def test_hf_batches_respect_the_padded_token_budget():
+    from nestling.regenerate.hf_engine import plan_batches
+
+    lens, new = [900, 10, 20, 3000, 30, 15], [100] * 6
+    batches = plan_batches(lens, new, max_size=4, max_tokens=4096)
+    assert sorted(i for b in batches for i in b) == list(range(6))  # every request once
+    for b in batches:
+        assert len(b) <= 4
+        assert len(b) == 1 or len(b) * (max(lens[i] for i in b) + 100) <= 4096
+        assert [lens[i] for i in b] == sorted(lens[i] for i in b)
+    assert batches[0] == [1, 5, 2, 4]  # short prompts share a batch (size cap 4)
+    assert [3] in batches  # longer than the budget: runs alone, not refused
+    assert plan_batches(lens, new, max_size=8, max_tokens=10**9) == [[1, 5, 2, 4, 0, 3]]
+
+
+def test_tiny_token_budget_still_regenerates_everything(tmp_path, tiny_target):
+    target = tiny_target("llama")
+    data = _write_jsonl(tmp_path / "in.jsonl", ROWS)
+    s = RegenerateSettings(engine="hf", max_new_tokens=4, max_model_len=256, chunk_size=3, hf_batch_size=8,
+                           hf_batch_tokens=1)  # every request in a batch of its own
+    c = regenerate(data, target, tmp_path / "out", s)["counts"]
+    assert c["kept"] == 2 and c["failed"] == {"context_overflow": 2}

@@ -12,6 +12,30 @@ from nestling.regenerate.engine import Completion, Request
 from nestling.regenerate.settings import RegenerateSettings
 
 
+def plan_batches(prompt_lens: list[int], max_new: list[int], max_size: int, max_tokens: int) -> list[list[int]]:
+    """Request indices grouped into batches, shortest prompts first (results go back in request order).
+
+    A batch holds at most `max_size` requests and at most `max_tokens` padded tokens: requests x
+    (longest prompt + most new tokens). Left padding makes every row as long as the longest prompt,
+    and the prefill's attention costs rows x width^2, so long prompts go in small batches instead of
+    dragging a fixed-size batch through a quadratic prefill over padding. A request longer than the
+    budget still runs, alone."""
+    order = sorted(range(len(prompt_lens)), key=lambda i: prompt_lens[i])
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    width = new = 0
+    for i in order:
+        w, n = max(width, prompt_lens[i]), max(new, max_new[i])
+        if cur and (len(cur) >= max(1, max_size) or (len(cur) + 1) * (w + n) > max_tokens):
+            batches.append(cur)
+            cur, w, n = [], prompt_lens[i], max_new[i]
+        cur.append(i)
+        width, new = w, n
+    if cur:
+        batches.append(cur)
+    return batches
+
+
 class HFEngine:
     name = "hf"
 
@@ -63,12 +87,9 @@ class HFEngine:
         return res
 
     def generate(self, requests: list[Request]) -> list[Completion]:
-        # Length-sorted batches waste less compute on padding; results go back in request order.
-        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
         out: list[Completion | None] = [None] * len(requests)
-        bs = max(1, self.s.hf_batch_size)
-        for k in range(0, len(order), bs):
-            idx = order[k:k + bs]
+        for idx in plan_batches([len(r.prompt_ids) for r in requests], [r.max_tokens for r in requests],
+                                self.s.hf_batch_size, self.s.hf_batch_tokens):
             try:
                 comps = self._batch([requests[i] for i in idx])
             except Exception as e:  # e.g. out of memory: fail these requests, not the run

@@ -33,6 +33,7 @@ class RegenerateSettings:
     # engine: hf
     device: str = "cpu"
     hf_batch_size: int = 8
+    hf_batch_tokens: int = 262144  # padded tokens per batch: requests x (longest prompt + max new tokens)
     # engine: openai (one or several OpenAI-compatible servers, requests spread round-robin)
     urls: list[str] = field(default_factory=list)
     server_model: str = ""  # model name on the server; "" = the first one /v1/models lists
