@@ -151,6 +151,11 @@ def _read_inputs(inputs: list[Path], settings: DataSettings) -> tuple[list[tuple
     return records, reports
 
 
+def _spans(n: int) -> list[tuple[int, int]]:
+    """Record ranges [start, end) of CHUNK records: the unit of work a worker takes."""
+    return [(i, min(i + CHUNK, n)) for i in range(0, n, CHUNK)]
+
+
 def _start_pool(workers: int, target_dir: Path, template: str | None, settings: DataSettings, records, spans):
     """Worker processes over the record spans; returns (pool, iterator of outcome lists in input order)."""
     if "fork" in mp.get_all_start_methods():
@@ -182,7 +187,7 @@ def _head_start(inputs: list[Path], target_dir: Path, template: str | None, sett
     except Exception:  # noqa: BLE001 - only a head start: anything unusual means "wait for AutoTokenizer"
         return None
     records, reports = _read_inputs(inputs, settings)
-    spans = [(i, min(i + CHUNK, len(records))) for i in range(0, len(records), CHUNK)]
+    spans = _spans(len(records))
     workers = min(workers, len(spans))
     if workers < 2:
         return None
@@ -272,8 +277,8 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
     out.mkdir(parents=True, exist_ok=True)  # only once every input has been read
     _clear(out)
 
-    workers = max(1, min(workers, (len(records) + CHUNK - 1) // CHUNK))
-    spans = [(i, min(i + CHUNK, len(records))) for i in range(0, len(records), CHUNK)]
+    spans = _spans(len(records))
+    workers = max(1, min(workers, len(spans)))
     _STATE.clear()
     _STATE.update(fmt=fmt, settings=settings, records=records)
 
