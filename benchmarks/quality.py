@@ -30,6 +30,7 @@ BUDGETS = {
     "full": {"conversations": None, "epochs": 2.0},
 }
 DISK_BUDGET = 64 * 10**9
+BPT = 4 * 576 * 2 + 5  # capture bytes per token of SmolLM2 in bf16 (3 aux layers + final, ids, mask)
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
          "bard": "assistant", "assistant": "assistant", "system": "system"}
 
@@ -108,34 +109,44 @@ def per_forward(r: dict) -> float | None:
     return tokens / max(tokens - accepted, 1)
 
 
-def evaluate_draft(args, draft: Path, target: str, prompts_path: Path, out: Path) -> None:
-    """The CPU leg: acceptance of an already trained draft in vLLM / the reference decoder, plus ngram."""
-    from nestling.evaluate.prompts import load_prompts
+def measure(args, draft: Path, target: str, prompts_path: Path, prompts: list[list[int]], out: Path,
+            engine: str, dtype: str, baseline: bool, ngram: bool) -> tuple[list[dict], dict]:
+    """Rows of the table for each K: the draft in `engine` (reference / vllm / both), then vLLM ngram."""
     from nestling.evaluate.run import EvalSettings, evaluate
-    from nestling.target.load import load_tokenizer
 
-    prompts = load_prompts(prompts_path, load_tokenizer(target))[: args.max_prompts]
     rows, stage_s = [], {}
-    name = draft.name
     for k in args.k:
         t = time.monotonic()
-        rep = evaluate(draft, target, prompts_path, out / f"eval-{name}-k{k}",
-                       EvalSettings(k=k, engine=args.engines, max_new_tokens=args.max_new_tokens, baseline=False,
-                                    max_prompts=args.max_prompts, device=args.device, dtype="float32"))
+        rep = evaluate(draft, target, prompts_path, out / f"eval-{draft.name}-k{k}",
+                       EvalSettings(k=k, engine=engine, max_new_tokens=args.max_new_tokens, baseline=baseline,
+                                    max_prompts=args.max_prompts, device=args.device, dtype=dtype))
         stage_s[f"eval k={k}"] = time.monotonic() - t
         for eng, r in rep["engines"].items():
             rows.append({"method": "eagle3", "engine": eng, "k": k, "acceptance_length": r["acceptance_length"],
                          "tokens_per_forward": per_forward(r), "per_position": r["per_position"],
-                         "tokens_per_s": r.get("tokens_per_s"), "num_drafts": r.get("num_drafts"),
-                         "num_accepted_tokens": r.get("num_accepted_tokens"), "tokens": r.get("tokens")})
-        if not args.no_ngram:
+                         "tokens_per_s": r.get("tokens_per_s"), "speedup": r.get("speedup"),
+                         "num_drafts": r.get("num_drafts"), "num_accepted_tokens": r.get("num_accepted_tokens"),
+                         "tokens": r.get("tokens")})
+        if ngram:
             t = time.monotonic()
-            r = run_ngram(target, prompts, k, args.max_new_tokens, "float32", out, args.prompt_lookup_max,
+            r = run_ngram(target, prompts, k, args.max_new_tokens, dtype, out, args.prompt_lookup_max,
                           args.prompt_lookup_min)
             stage_s[f"ngram k={k}"] = time.monotonic() - t
             rows.append({"method": "ngram", "engine": "vllm", "k": k, "acceptance_length": r["acceptance_length"],
                          "tokens_per_forward": per_forward(r), "per_position": r["per_position"],
-                         "tokens_per_s": r["tokens_per_s"]})
+                         "tokens_per_s": r["tokens_per_s"], "speedup": None})
+    return rows, stage_s
+
+
+def evaluate_draft(args, draft: Path, target: str, prompts_path: Path, out: Path) -> None:
+    """The CPU leg: acceptance of an already trained draft in vLLM / the reference decoder, plus ngram."""
+    from nestling.evaluate.prompts import load_prompts
+    from nestling.target.load import load_tokenizer
+
+    prompts = load_prompts(prompts_path, load_tokenizer(target))[: args.max_prompts]
+    rows, stage_s = measure(args, draft, target, prompts_path, prompts, out, args.engines, "float32",
+                            baseline=False, ngram=not args.no_ngram)
+    name = draft.name
     result = {"draft": str(draft), "target": target, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "rows": rows, "stage_seconds": stage_s}
     (out / f"quality-{name}.json").write_text(json.dumps(result, indent=2))
@@ -184,7 +195,6 @@ def main() -> None:
 
     from nestling.assets import smollm2_dir
     from nestling.evaluate.prompts import load_prompts
-    from nestling.evaluate.run import EvalSettings, evaluate
     from nestling.pipeline import STAGES, load_run_config, run_config
     from nestling.pipeline.state import read_state
     from nestling.target.load import load_tokenizer
@@ -192,7 +202,6 @@ def main() -> None:
     budget = BUDGETS[args.budget]
     out = args.out.absolute() / args.budget
     target = args.target or str(smollm2_dir())
-    bpt = 4 * 576 * 2 + 5
     train_path, prompts_path, n_train = split_sharegpt(out, args.heldout, budget["conversations"])
     cuda = args.device.startswith("cuda")
     train = {"batch_tokens": args.batch_tokens, "device": "cuda" if cuda else "cpu",
@@ -211,9 +220,9 @@ def main() -> None:
         run_config(config, stages=STAGES, until="data")
         m = json.loads((out / "run" / "data" / "manifest.json").read_text())
         tokens = sum(v["tokens"] for v in m["splits"].values())
-        if tokens * bpt > DISK_BUDGET:
-            keep = int(n_train * DISK_BUDGET / (tokens * bpt) * 0.97)
-            print(f"[quality] {tokens:,} tokens x {bpt} B = {tokens * bpt / 1e9:.1f} GB > 64 GB: "
+        if tokens * BPT > DISK_BUDGET:
+            keep = int(n_train * DISK_BUDGET / (tokens * BPT) * 0.97)
+            print(f"[quality] {tokens:,} tokens x {BPT} B = {tokens * BPT / 1e9:.1f} GB > 64 GB: "
                   f"training on the first {keep:,} conversations", flush=True)
             data["data"]["limit"] = keep
             config = load_run_config(None, STAGES, base_data=data)
@@ -223,26 +232,10 @@ def main() -> None:
 
     tok = load_tokenizer(target)
     prompts = load_prompts(prompts_path, tok)
-    rows = []
-    engine = "reference" if args.no_vllm else "both"
-    for k in args.k:
-        t = time.monotonic()
-        rep = evaluate(out / "run" / "export", target, prompts_path, out / f"eval-k{k}",
-                       EvalSettings(k=k, engine=engine, max_new_tokens=args.max_new_tokens, baseline=True,
-                                    device=args.device, dtype="float32" if not cuda else "bfloat16"))
-        stage_s[f"eval k={k}"] = time.monotonic() - t
-        for name, r in rep["engines"].items():
-            rows.append({"method": "eagle3", "engine": name, "k": k, "acceptance_length": r["acceptance_length"],
-                         "tokens_per_forward": per_forward(r), "per_position": r["per_position"],
-                         "tokens_per_s": r.get("tokens_per_s"), "speedup": r.get("speedup")})
-        if not args.no_vllm:
-            t = time.monotonic()
-            r = run_ngram(target, prompts, k, args.max_new_tokens, "float32" if not cuda else "bfloat16", out,
-                          args.prompt_lookup_max, args.prompt_lookup_min)
-            stage_s[f"ngram k={k}"] = time.monotonic() - t
-            rows.append({"method": "ngram", "engine": "vllm", "k": k, "acceptance_length": r["acceptance_length"],
-                         "tokens_per_forward": per_forward(r), "per_position": r["per_position"],
-                         "tokens_per_s": r["tokens_per_s"], "speedup": None})
+    rows, evals = measure(args, out / "run" / "export", target, prompts_path, prompts[: args.max_prompts], out,
+                          "reference" if args.no_vllm else "both", "float32" if not cuda else "bfloat16",
+                          baseline=True, ngram=not (args.no_vllm or args.no_ngram))
+    stage_s.update(evals)
     result = {"budget": args.budget, "device": args.device, "train_conversations": n_train,
               "heldout_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "rows": rows,
               "stage_seconds": stage_s, "total_seconds": time.monotonic() - t0,

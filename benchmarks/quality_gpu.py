@@ -29,7 +29,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import quality  # noqa: E402  (the shared split and budgets)
 
-BPT = 4 * 576 * 2 + 5  # capture bytes per token of SmolLM2 in bf16 (3 aux layers + final, ids, mask)
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
@@ -127,21 +126,21 @@ def main() -> None:
     if args.fit_disk:
         free = shutil.disk_usage(w).free - args.disk_margin_gb * 1e9
         tokens = sum(v["tokens"] for v in m["splits"].values())
-        res["disk"] = {"free_bytes": shutil.disk_usage(w).free, "tokens_all": tokens, "bytes_needed_all": tokens * BPT}
-        print(f"[quality-gpu] all {n_train:,} conversations: {tokens:,} tokens x {BPT} B = "
-              f"{tokens * BPT / 1e9:.1f} GB; {free / 1e9:.1f} GB usable here", flush=True)
-        if tokens * BPT > free:
+        res["disk"] = {"free_bytes": shutil.disk_usage(w).free, "tokens_all": tokens, "bytes_needed_all": tokens * quality.BPT}
+        print(f"[quality-gpu] all {n_train:,} conversations: {tokens:,} tokens x {quality.BPT} B = "
+              f"{tokens * quality.BPT / 1e9:.1f} GB; {free / 1e9:.1f} GB usable here", flush=True)
+        if tokens * quality.BPT > free:
             from nestling.errors import NestlingError
 
             try:  # the capture stage's own disk check must refuse the whole set before loading weights
-                if tokens * BPT <= shutil.disk_usage(w).free:
+                if tokens * quality.BPT <= shutil.disk_usage(w).free:
                     raise NestlingError("(the whole set fits the free disk; not asking capture)")
                 capture(w / "data", args.target, w / "capture-all", CaptureSettings(device=args.device))
                 res["disk"]["capture_refusal"] = None
             except NestlingError as e:
                 res["disk"]["capture_refusal"] = str(e)
                 print(f"[quality-gpu] capture refused the whole set, as it should: {e}", flush=True)
-            keep = int(m["counts"]["read"] * free / (tokens * BPT) * 0.98)
+            keep = int(m["counts"]["read"] * free / (tokens * quality.BPT) * 0.98)
             print(f"[quality-gpu] keeping the first {keep:,} conversations", flush=True)
             ds = DataSettings(max_length=1024, held_out=0.02, limit=keep)
             m = timed("data (fit disk)", prepare_data, [src], args.target, w / "data", ds)
