@@ -64,7 +64,8 @@ def main() -> None:
     ap.add_argument("--regenerate", action="store_true")
     ap.add_argument("--regen-max-new-tokens", type=int, default=384)
     ap.add_argument("--regen-max-turns", type=int, default=2)
-    ap.add_argument("--regen-batch", type=int, default=256)
+    ap.add_argument("--regen-batch", type=int, default=1024, help="requests per generate batch")
+    ap.add_argument("--regen-chunk", type=int, default=2048, help="conversations per chunk (the resumption unit)")
     ap.add_argument("--fit-disk", action="store_true", help="limit the data to what the capture store can hold here")
     ap.add_argument("--disk-margin-gb", type=float, default=6.0)
     ap.add_argument("--eval-prompts", type=int, default=0)
@@ -115,11 +116,12 @@ def main() -> None:
         from nestling.regenerate import RegenerateSettings, regenerate
 
         rs = RegenerateSettings(engine="hf", device=args.device, dtype="bfloat16" if cuda else "float32", hf_batch_size=args.regen_batch,
-                                chunk_size=args.regen_batch, max_new_tokens=args.regen_max_new_tokens,
+                                hf_batch_tokens=args.regen_batch * 1536, chunk_size=args.regen_chunk, max_new_tokens=args.regen_max_new_tokens,
                                 max_turns=args.regen_max_turns, limit=args.train_conversations or 0)
         m = timed("regenerate", regenerate, train_path, args.target, w / "regen", rs)
         res["regenerate"] = {"counts": m["counts"], "generation": m["generation"],
-                             "settings": {k: getattr(rs, k) for k in ("max_new_tokens", "max_turns", "hf_batch_size")}}
+                             "settings": {k: getattr(rs, k) for k in ("max_new_tokens", "max_turns", "hf_batch_size",
+                                                                            "hf_batch_tokens", "chunk_size")}}
         src = w / "regen" / "messages.jsonl"
     ds = DataSettings(max_length=1024, held_out=0.02, limit=args.train_conversations if args.split else None)
     m = timed("data", prepare_data, [src], args.target, w / "data", ds)

@@ -23,13 +23,13 @@ import urllib.request
 from pathlib import Path
 
 
-def _sample(n: int, path: Path) -> Path:
+def _sample(n: int, path: Path, source: Path | None) -> Path:
     from nestling.assets import sharegpt_json
     from nestling.regenerate.chat import plan
     from nestling.regenerate.readers import read_records
 
     rows = []
-    for rec in read_records(sharegpt_json()):
+    for rec in read_records(source or sharegpt_json()):
         if not rec.skip and plan(rec.messages, 1)[0]:
             rows.append({"id": rec.id, "messages": rec.messages})
             if len(rows) == n:
@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--target", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--sharegpt", type=Path, help="ShareGPT JSON (default: the embedded one from the package index)")
+    ap.add_argument("--hf-batch-size", type=int, default=8, help="hf engine: requests per batch")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (hf engine device; vLLM picks its platform)")
     ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
     ap.add_argument("--enforce-eager", action="store_true",
@@ -77,12 +79,12 @@ def main() -> None:
 
     target = Path(args.target) if args.target else smollm2_dir()
     work = Path(tempfile.mkdtemp(prefix="regen-bench-"))
-    data = _sample(args.n, work / "in.jsonl")
+    data = _sample(args.n, work / "in.jsonl", args.sharegpt)
     rows = []
     for engine in args.engines.split(","):
         s = RegenerateSettings(engine=engine, max_new_tokens=args.max_new_tokens, max_turns=1, chunk_size=args.n,
                                max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
-                               hf_batch_size=8, concurrency=args.n,
+                               hf_batch_size=args.hf_batch_size, concurrency=args.n,
                                vllm={"enforce_eager": True} if args.enforce_eager else {})
         server = None
         t0 = time.monotonic()
@@ -107,7 +109,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['engine']:8} {r['conversations']:5d} {r['output_tokens']:8d} {r['gen_s']:8.1f} {r['conv_per_s']:8.3f} "
               f"{r['out_tok_per_s']:10.1f} {r['load_s']:7.1f}")
-    args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)}, "results": rows}, indent=2))
+    args.json.write_text(json.dumps({"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                                           "results": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ class RegenerateSettings:
     dtype: str = "auto"  # vllm / hf weights dtype: auto, bfloat16, float16, float32
     # engine: hf
     device: str = "cpu"
-    hf_batch_size: int = 8
+    hf_batch_size: int = 8  # requests per batch; on a GPU, raise it (1024 for a 135M target)
     hf_batch_tokens: int = 262144  # padded tokens per batch: requests x (longest prompt + max new tokens)
     # engine: openai (one or several OpenAI-compatible servers, requests spread round-robin)
     urls: list[str] = field(default_factory=list)
