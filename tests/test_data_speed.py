@@ -4,13 +4,19 @@
   is used only when AutoTokenizer's tokenizer and template are identical, and its output equals a
   one-process run; when AutoTokenizer builds something else (Qwen2Tokenizer adds an NFC normalizer)
   the workers start over with AutoTokenizer's;
+- once that identity is verified, it is remembered for those exact tokenizer files and versions, and
+  later runs never import transformers' AutoTokenizer (nor torch) in the main process, with the same
+  output; a changed tokenizer file means verifying again;
 - the piece cache (short pieces tokenized once per process) gives the uncached ids.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pyarrow.parquet as pq
 import pytest
@@ -74,6 +80,41 @@ def test_head_start_is_discarded_when_autotokenizer_differs(tmp_path, qwen2_targ
     two = prepare_data([sharegpt_path], qwen2_target, tmp_path / "two", DataSettings(workers=2, **kw))
     assert "start over" in capsys.readouterr().err
     assert_same_output(tmp_path / "one", tmp_path / "two", one, two)
+
+
+RUN = """
+import json, sys
+from nestling.data.prepare import prepare_data
+from nestling.data.settings import DataSettings
+m = prepare_data([sys.argv[1]], sys.argv[2], sys.argv[3], DataSettings(limit=int(sys.argv[4]), max_length=512, workers=2))
+print(json.dumps({"torch": "torch" in sys.modules, "autotokenizer": "transformers.models.auto" in sys.modules}))
+"""
+
+
+def _run_data(source, target, out, cache) -> tuple[dict, dict, str]:
+    env = {**os.environ, "NESTLING_CACHE": str(cache)}
+    res = subprocess.run([sys.executable, "-c", RUN, str(source), str(target), str(out), str(N)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1]), json.loads((out / "manifest.json").read_text()), res.stderr
+
+
+def test_verified_tokenizer_match_is_remembered(tmp_path, smollm2_dir, sharegpt_path):
+    target = tmp_path / "target"  # a copy, so a tokenizer file can be changed below
+    shutil.copytree(smollm2_dir, target, ignore=shutil.ignore_patterns("*.safetensors"))
+    cache = tmp_path / "cache"
+    first, m1, _ = _run_data(sharegpt_path, target, tmp_path / "a", cache)
+    assert first["autotokenizer"] and len(list((cache / "tokenizer-match").glob("*.json"))) == 1
+    second, m2, err = _run_data(sharegpt_path, target, tmp_path / "b", cache)
+    assert not second["torch"] and not second["autotokenizer"] and "verified earlier, cached" in err
+    assert_same_output(tmp_path / "a", tmp_path / "b", m1, m2)
+    cfg = json.loads((target / "tokenizer_config.json").read_text())
+    cfg["model_max_length"] = 4096  # any change to a tokenizer file: verify again
+    (target / "tokenizer_config.json").write_text(json.dumps(cfg))
+    third, m3, err = _run_data(sharegpt_path, target, tmp_path / "c", cache)
+    assert third["autotokenizer"] and "verified earlier" not in err
+    assert len(list((cache / "tokenizer-match").glob("*.json"))) == 2
+    assert_same_output(tmp_path / "a", tmp_path / "c", m1, m3)
 
 
 @pytest.mark.slow

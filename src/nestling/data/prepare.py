@@ -196,6 +196,25 @@ def _head_start(inputs: list[Path], target_dir: Path, template: str | None, sett
     return _HeadStart(guess, records, reports, *_start_pool(workers, target_dir, template, settings, records, spans))
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".msgpack", ".onnx")
+
+
+def _match_record(target_dir: Path, template: str | None) -> Path:
+    """Where a verified "FileTokenizer == AutoTokenizer" result for these exact files is remembered.
+
+    Keyed by the content of every non-weight file in the target folder (AutoTokenizer reads config.json,
+    tokenizer files, templates), the template override and the transformers and tokenizers versions:
+    any change means verifying again."""
+    from importlib.metadata import version
+
+    from nestling.assets import cache_dir
+
+    files = sorted(f for f in target_dir.iterdir() if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES))
+    key = hash_json({"files": {f.name: hash_file(f) for f in files}, "template": template,
+                     "versions": [version("transformers"), version("tokenizers")]})
+    return cache_dir() / "tokenizer-match" / f"{key}.json"
+
+
 def prepare_data(inputs: list[str | Path] | str | Path, target: str | Path, out: str | Path,
                  settings: DataSettings | None = None) -> dict:
     """Tokenize chat data for `target` into `out`; returns the manifest (see docs/data.md)."""
@@ -235,15 +254,25 @@ def prepare_data(inputs: list[str | Path] | str | Path, target: str | Path, out:
 
 def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Path, settings: DataSettings,
              workers: int, t0: float, early: _HeadStart | None) -> dict:
-    from transformers import AutoTokenizer
+    import json
 
     from nestling.data.chat import chat_format, format_key
-    from nestling.manifest import read_manifest
-    from nestling.target.load import tokenizer_fingerprint
+    from nestling.manifest import atomic_write_json, read_manifest
 
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    fmt = chat_format(tokenizer, template)
-    tok_fp = tokenizer_fingerprint(tokenizer, fmt.template)
+    # When an earlier run verified that AutoTokenizer builds exactly what the head start read from
+    # these files, skip AutoTokenizer: importing it (torch) takes ~8 CPU-s from the workers.
+    record = _match_record(target_dir, template) if early is not None else None
+    verified = json.loads(record.read_text()) if record is not None and record.exists() else None
+    if verified is not None:
+        fmt, tok_fp = early.guess, verified["tokenizer_fingerprint"]  # type: ignore[union-attr]
+    else:
+        from transformers import AutoTokenizer
+
+        from nestling.target.load import tokenizer_fingerprint
+
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        fmt = chat_format(tokenizer, template)
+        tok_fp = tokenizer_fingerprint(tokenizer, fmt.template)
     input_fps = [hash_file(p) for p in inputs]
     fingerprint = fingerprint_of(tok_fp, fmt.template, settings, input_fps)
 
@@ -263,8 +292,11 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
     results = None
     if early is not None:
         records, reports = early.records, early.reports
-        if format_key(early.guess) == format_key(fmt):  # type: ignore[arg-type]
+        if verified is not None or format_key(early.guess) == format_key(fmt):  # type: ignore[arg-type]
             results = early.results
+            if verified is None and record is not None:
+                record.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_json(record, {"tokenizer_fingerprint": tok_fp, "target": str(target_dir)})
         else:
             log("[data] AutoTokenizer's tokenizer or template differs from the one read from the target's files; "
                 "the workers start over with AutoTokenizer's")
@@ -273,7 +305,8 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
     else:
         records, reports = _read_inputs(inputs, settings)
     log(f"[data] read {len(records)} records from {len(inputs)} file(s); tokenizer and records ready after {time.monotonic() - t0:.1f}s; "
-        f"loss mask by {fmt.mask_method}")
+        f"loss mask by {fmt.mask_method}" + ("; tokenizer read from the target's files (verified earlier, cached)"
+                                            if verified is not None else ""))
     out.mkdir(parents=True, exist_ok=True)  # only once every input has been read
     _clear(out)
 
