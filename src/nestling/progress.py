@@ -60,7 +60,7 @@ class Progress:
     done: int = 0
     tokens: int = 0
     extra: dict = field(default_factory=dict)
-    _start: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=time.monotonic)  # monotonic clock; rates and ETA count from here
     _last: float = 0.0
 
     def __post_init__(self) -> None:
@@ -77,10 +77,10 @@ class Progress:
             self._emit(now)
 
     def rate(self) -> float:
-        return self.done / max(time.monotonic() - self._start, 1e-9)
+        return self.done / max(time.monotonic() - self.started, 1e-9)
 
     def token_rate(self) -> float:
-        return self.tokens / max(time.monotonic() - self._start, 1e-9)
+        return self.tokens / max(time.monotonic() - self.started, 1e-9)
 
     def eta(self) -> float:
         if not self.total:
@@ -89,7 +89,7 @@ class Progress:
         return (self.total - self.done) / r if r > 0 else float("inf")
 
     def _emit(self, now: float) -> None:
-        elapsed = now - self._start
+        elapsed = now - self.started
         parts = [f"[{self.desc}]"]
         parts.append(f"{self.done}/{self.total} {self.unit}" if self.total else f"{self.done} {self.unit}")
         if self.total:

@@ -320,9 +320,9 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
     examples: dict[str, list[str]] = {}
     buffers: dict[str, list[Sample]] = {s: [] for s in SPLITS}
     stats = {s: {"samples": 0, "tokens": 0, "supervised_tokens": 0, "files": []} for s in SPLITS}
-    progress = Progress("data", total=len(records), unit="conv")
-    if results is not None:
-        progress._start = early.started  # type: ignore[union-attr]  # rates count from when the workers started
+    # With the head start's results, rates count from when its workers started.
+    progress = Progress("data", total=len(records), unit="conv",
+                        started=early.started if results is not None else time.monotonic())  # type: ignore[union-attr]
 
     def flush(split: str) -> None:
         if buffers[split]:
