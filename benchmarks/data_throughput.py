@@ -59,7 +59,9 @@ def main() -> None:
 
     src = args.input or sharegpt_json()
     target = args.target or smollm2_dir()
-    cached = _match_record(resolve_target(target), None).exists()
+    record = _match_record(resolve_target(target), None)
+    # The record is used only by the head start, which needs a second worker process.
+    cached = record is not None and record.exists() and (args.workers or os.cpu_count() or 1) > 1
     out = Path(tempfile.mkdtemp(prefix="nestling-data-bench-"))
     load_before, uptime_before = load_average(), uptime()
     cpu0 = cpu_seconds(resource.RUSAGE_SELF)

@@ -117,6 +117,30 @@ def test_verified_tokenizer_match_is_remembered(tmp_path, smollm2_dir, sharegpt_
     assert_same_output(tmp_path / "a", tmp_path / "c", m1, m3)
 
 
+def test_a_damaged_or_unusable_match_record_only_costs_the_speed_up(tmp_path, smollm2_dir, sharegpt_path, monkeypatch, capsys):
+    """A corrupt record, a record for another tokenizer guess, or a cache that cannot be written:
+    the run verifies with AutoTokenizer as if there were no record, and the output is unchanged."""
+    from nestling.data.prepare import _match_record
+
+    kw = dict(limit=N, max_length=512, workers=2)
+    monkeypatch.setenv("NESTLING_CACHE", str(tmp_path / "cache"))
+    ref = prepare_data([sharegpt_path], smollm2_dir, tmp_path / "ref", DataSettings(**kw))
+    record = _match_record(smollm2_dir, None)
+    assert record is not None and record.exists()
+    for i, damage in enumerate(["{not json", json.dumps({"tokenizer_fingerprint": "x", "format_hash": "stale"})]):
+        record.write_text(damage)
+        capsys.readouterr()
+        m = prepare_data([sharegpt_path], smollm2_dir, tmp_path / f"d{i}", DataSettings(**kw))
+        assert "verified earlier" not in capsys.readouterr().err
+        assert_same_output(tmp_path / "ref", tmp_path / f"d{i}", ref, m)
+        assert json.loads(record.read_text())["tokenizer_fingerprint"] == ref["inputs"]["tokenizer"]  # rewritten
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("NESTLING_CACHE", str(blocked / "cache"))
+    m = prepare_data([sharegpt_path], smollm2_dir, tmp_path / "ro", DataSettings(**kw))
+    assert_same_output(tmp_path / "ref", tmp_path / "ro", ref, m)
+
+
 @pytest.mark.slow
 def test_piece_cache_gives_uncached_ids(smollm2_dir, sharegpt_path):
     from transformers import AutoTokenizer

@@ -197,22 +197,60 @@ def _head_start(inputs: list[Path], target_dir: Path, template: str | None, sett
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".msgpack", ".onnx")
+MATCH_FORMAT = 1  # bump when FileTokenizer, chat_format, format_key or tokenizer_fingerprint change meaning
 
 
-def _match_record(target_dir: Path, template: str | None) -> Path:
+def _match_record(target_dir: Path, template: str | None) -> Path | None:
     """Where a verified "FileTokenizer == AutoTokenizer" result for these exact files is remembered.
 
-    Keyed by the content of every non-weight file in the target folder (AutoTokenizer reads config.json,
-    tokenizer files, templates), the template override and the transformers and tokenizers versions:
-    any change means verifying again."""
+    Keyed by the full content of every non-weight file in the target folder (AutoTokenizer reads
+    config.json, tokenizer files, templates), the template override, and the nestling, transformers
+    and tokenizers versions: any change means verifying again. None when the cache is unusable."""
     from importlib.metadata import version
 
+    import nestling
     from nestling.assets import cache_dir
 
-    files = sorted(f for f in target_dir.iterdir() if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES))
-    key = hash_json({"files": {f.name: hash_file(f) for f in files}, "template": template,
-                     "versions": [version("transformers"), version("tokenizers")]})
-    return cache_dir() / "tokenizer-match" / f"{key}.json"
+    try:
+        files = sorted(f for f in target_dir.iterdir() if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES))
+        content = {f.name: hash_bytes(f.read_bytes()) if f.stat().st_size < 64 << 20 else hash_file(f) for f in files}
+        key = hash_json({"files": content, "template": template, "format": MATCH_FORMAT,
+                         "versions": [nestling.__version__, version("transformers"), version("tokenizers")]})
+        return cache_dir() / "tokenizer-match" / f"{key}.json"
+    except OSError:
+        return None
+
+
+def _format_hash(fmt) -> str:
+    from nestling.data.chat import format_key
+
+    return hash_json(format_key(fmt))
+
+
+def _read_match(record: Path | None, guess) -> str | None:
+    """The remembered tokenizer fingerprint, if the record is whole and was made for this very guess."""
+    import json
+
+    if record is None or not record.exists():
+        return None
+    try:
+        d = json.loads(record.read_text())
+        if d.get("format_hash") == _format_hash(guess) and isinstance(d.get("tokenizer_fingerprint"), str):
+            return d["tokenizer_fingerprint"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    return None  # damaged or stale: verify again (and rewrite it)
+
+
+def _remember_match(record: Path, guess, tok_fp: str, target_dir: Path) -> None:
+    from nestling.manifest import atomic_write_json
+
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(record, {"tokenizer_fingerprint": tok_fp, "format_hash": _format_hash(guess),
+                                   "target": str(target_dir)})
+    except OSError as e:  # only a speed-up: the next run verifies again
+        log(f"[data] could not remember the tokenizer check in {record} ({e}); the next run checks again")
 
 
 def prepare_data(inputs: list[str | Path] | str | Path, target: str | Path, out: str | Path,
@@ -254,17 +292,15 @@ def prepare_data(inputs: list[str | Path] | str | Path, target: str | Path, out:
 
 def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Path, settings: DataSettings,
              workers: int, t0: float, early: _HeadStart | None) -> dict:
-    import json
-
     from nestling.data.chat import chat_format, format_key
-    from nestling.manifest import atomic_write_json, read_manifest
+    from nestling.manifest import read_manifest
 
     # When an earlier run verified that AutoTokenizer builds exactly what the head start read from
     # these files, skip AutoTokenizer: importing it (torch) takes ~8 CPU-s from the workers.
     record = _match_record(target_dir, template) if early is not None else None
-    verified = json.loads(record.read_text()) if record is not None and record.exists() else None
+    verified = _read_match(record, early.guess) if early is not None else None
     if verified is not None:
-        fmt, tok_fp = early.guess, verified["tokenizer_fingerprint"]  # type: ignore[union-attr]
+        fmt, tok_fp = early.guess, verified  # type: ignore[union-attr]
     else:
         from transformers import AutoTokenizer
 
@@ -295,8 +331,7 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
         if verified is not None or format_key(early.guess) == format_key(fmt):  # type: ignore[arg-type]
             results = early.results
             if verified is None and record is not None:
-                record.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_json(record, {"tokenizer_fingerprint": tok_fp, "target": str(target_dir)})
+                _remember_match(record, early.guess, tok_fp, target_dir)
         else:
             log("[data] AutoTokenizer's tokenizer or template differs from the one read from the target's files; "
                 "the workers start over with AutoTokenizer's")
