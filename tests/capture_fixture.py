@@ -105,22 +105,15 @@ def make_capture(out: Path, target: Path, layer_ids=(1, 3, 5, 6), n_train: int =
 def cached_capture(target: Path) -> Path:
     """The standard test capture of `target`, built once into the nestling cache (shared by test files
     and by the subprocesses they start)."""
-    import os
-    import shutil
-
-    from nestling.assets import cache_dir
+    from nestling.assets import build_once, cache_dir
     from nestling.manifest import hash_files
 
-    key = hash_files(sorted(Path(target).glob("*.safetensors")) + [Path(__file__)])
-    final = cache_dir() / "tiny" / f"train-capture-{Path(target).name}-{key}"
-    if not (final / "manifest.json").exists():
-        tmp = final.with_name(final.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
+    def build(folder: Path) -> None:
         with threads(1):
-            make_capture(tmp, target)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    return final
+            make_capture(folder, target)
+
+    key = hash_files(sorted(Path(target).glob("*.safetensors")) + [Path(__file__)])
+    return build_once(cache_dir() / "tiny" / f"train-capture-{Path(target).name}-{key}", build, marker="manifest.json")
 
 
 def run_cli(args: list[str], env_extra: dict | None = None, torchrun: int = 0, popen: bool = False):

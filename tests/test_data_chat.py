@@ -44,21 +44,16 @@ def encode_one(tok, msgs, template=None, **kw):
 
 def gguf_tokenizer(name: str, extra_special: list[str] | None = None):
     """A tokenizer from a real llama.cpp vocab GGUF (parsed once per session, then loaded from a folder)."""
-    import tempfile
-
     from transformers import AutoTokenizer
 
-    from nestling.assets import cache_dir, vocab_gguf
+    from nestling.assets import build_once, cache_dir, vocab_gguf
 
-    saved = cache_dir() / "vocab-tokenizers" / name  # parsing a GGUF vocab takes ~20 s; a folder ~1 s
-    if not (saved / "tokenizer_config.json").exists():
+    def parse(folder: Path) -> None:
         path = vocab_gguf(name)
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        saved.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=saved.parent))
-        tok.save_pretrained(tmp)
-        if not saved.exists():
-            tmp.rename(saved)
+        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(folder)
+
+    # parsing a GGUF vocab takes ~20 s; loading the saved folder ~1 s
+    saved = build_once(cache_dir() / "vocab-tokenizers" / name, parse, marker="tokenizer_config.json")
     tok = AutoTokenizer.from_pretrained(saved)
     if extra_special:  # the family's own control tokens, special in its real vocabulary
         tok.add_special_tokens({"additional_special_tokens": extra_special})

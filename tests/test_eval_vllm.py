@@ -1,6 +1,7 @@
 """The exported draft in the real vLLM engine (CPU build, subprocess, no mocks), against the
-reference decoder. One vLLM process serves every assertion: the target alone, then the target with
-a briefly fitted draft, then with a random draft.
+reference decoder. One vLLM engine (the target with a briefly fitted draft) serves every assertion;
+the target's own greedy outputs come from the reference decoder (transformers), which is cheaper
+than a second vLLM engine and is the ground truth the engine must reproduce.
 
 Draft: fitted for a few hundred Adam steps on step-0 next-token prediction from SmolLM2's own hidden
 states at nestling's ids (tests/eagle_helpers.py: switch to `nestling.train` once it is merged).
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle_helpers import PROMPTS, fit_step0, make_train_dir, new_draft, render
+from eagle_helpers import PROMPTS, fit_step0, make_train_dir, render
 from nestling.evaluate.run import EvalSettings, run_reference
 from nestling.evaluate.vllm_engine import run_vllm
 from nestling.export import ExportSettings, export
@@ -28,13 +29,9 @@ def run(smollm2_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     prompts = render(smollm2_dir, PROMPTS[:4])
     fitted = fit_step0(smollm2_dir, prompts, steps=120, new_tokens=NEW)
-    aux = fitted.config.aux_layer_ids
-    random = new_draft(smollm2_dir, aux, draft_vocab_size=fitted.config.draft_vocab_size, seed=1)
-    f32 = ExportSettings(dtype="float32")
-    fit_dir = export(make_train_dir(fitted, root / "train_fit"), root / "draft_fit", f32)
-    rnd_dir = export(make_train_dir(random, root / "train_rnd"), root / "draft_rnd", f32)
-    res = run_vllm(smollm2_dir, [fit_dir, rnd_dir], prompts, K, NEW, dtype="float32", max_model_len=512)
-    return dict(prompts=prompts, fit_dir=fit_dir, rnd_dir=rnd_dir, aux=aux, vllm=res, target=smollm2_dir, ref={})
+    fit_dir = export(make_train_dir(fitted, root / "train_fit"), root / "draft_fit", ExportSettings(dtype="float32"))
+    res = run_vllm(smollm2_dir, [fit_dir], prompts, K, NEW, dtype="float32", max_model_len=512, baseline=False)
+    return dict(prompts=prompts, fit_dir=fit_dir, vllm=res["drafts"][0], target=smollm2_dir, ref={})
 
 
 def _reference(run, draft_dir, aux_layer_ids=None):
@@ -46,19 +43,27 @@ def _reference(run, draft_dir, aux_layer_ids=None):
 
 
 def test_vllm_loads_draft_and_greedy_outputs_are_unchanged(run):
-    base = run["vllm"]["baseline"]["outputs"]
-    for d in run["vllm"]["drafts"]:
-        assert d["num_drafts"] > 0  # the draft really ran
-        assert d["outputs"] == base  # fp32 greedy: token-identical with and without the draft
+    import torch
+
+    from nestling.target.load import load_model
+
+    v = run["vllm"]
+    assert v["num_drafts"] > 0  # the draft really ran
+    model = load_model(run["target"], dtype="float32")
+    for prompt, got in zip(run["prompts"], v["outputs"]):
+        with torch.inference_mode():  # the target alone: transformers' greedy generate
+            ids = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW, temperature=None,
+                                 top_p=None, top_k=None)[0, len(prompt):].tolist()
+        assert got == ids
+    assert _reference(run, run["fit_dir"])["outputs"] == v["outputs"]  # and the reference decoder agrees
 
 
 def test_fitted_draft_accepts_and_engines_agree(run):
-    v_fit, v_rnd = run["vllm"]["drafts"]
-    ref = _reference(run, run["fit_dir"])
-    assert ref["outputs"] == run["vllm"]["baseline"]["outputs"]  # reference == vLLM's target alone
-    assert v_fit["acceptance_length"] > 1.3
-    assert abs(ref["acceptance_length"] - v_fit["acceptance_length"]) / v_fit["acceptance_length"] < 0.05
-    assert v_rnd["acceptance_length"] < 1.1  # a random draft accepts (almost) nothing
+    """Acceptance well above 1 also proves vLLM loaded the exported weights: a random draft accepts
+    nearly nothing (~1.0)."""
+    v, ref = run["vllm"], _reference(run, run["fit_dir"])
+    assert v["acceptance_length"] > 1.3
+    assert abs(ref["acceptance_length"] - v["acceptance_length"]) / v["acceptance_length"] < 0.05
 
 
 def test_layer_ids_vllm_feeds_the_trained_layers(run):
@@ -70,7 +75,7 @@ def test_layer_ids_vllm_feeds_the_trained_layers(run):
     [62,1,0]); the direct proof, which compares the tensor vLLM hands the draft with nestling's hf
     capture and fails on a shift, is tests/test_export_vllm.py::test_layer_ids_vllm_feeds_the_trained_layers_direct.
     """
-    v = run["vllm"]["drafts"][0]
+    v = run["vllm"]
 
     def dist(r):
         return sum(abs(a - b) for a, b in zip(r["accepted_per_pos"], v["accepted_per_pos"]))

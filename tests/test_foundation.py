@@ -121,3 +121,35 @@ except NestlingError as e:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "stage-error:" in res.stdout and "does not exist" in res.stdout, res.stdout
+
+
+BUILD = """
+import sys, time
+from pathlib import Path
+from nestling.assets import build_once
+
+def build(folder):
+    folder.mkdir()
+    with open(sys.argv[2], "a") as log:
+        log.write("built\\n")
+    time.sleep(1.0)  # long enough for the other process to arrive while this one builds
+    (folder / "config.json").write_text("{}")
+
+print(build_once(Path(sys.argv[1]), build))
+"""
+
+
+def test_a_cache_entry_is_built_once_when_two_processes_ask_at_once(tmp_path):
+    """Two runs (or parallel test workers) asking for the same cache entry: one builds, the other
+    waits and gets the finished folder; nobody sees half of it."""
+    import subprocess
+    import sys
+
+    entry, log = tmp_path / "cache" / "model", tmp_path / "builds.log"
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD, str(entry), str(log)], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert outs == [str(entry)] * 2 and (entry / "config.json").exists()
+    assert log.read_text() == "built\n"  # built once
+    assert not any(n.name.endswith(".part") for n in entry.parent.iterdir())

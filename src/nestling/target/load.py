@@ -45,16 +45,14 @@ def convert_gguf(gguf: Path, out: Path, dtype: str = "bfloat16") -> Path:
 
 def resolve_target(model: str | Path) -> Path:
     """A local folder with config.json and safetensors; a GGUF is converted once into the cache."""
-    from nestling.assets import cache_dir
+    from nestling.assets import build_once, cache_dir
 
     p = Path(model)
     if is_gguf(model):
         if not p.exists():
             raise NestlingError(f"target {model} does not exist")
         out = cache_dir() / "models" / f"{p.stem}-{hash_files([p])}"
-        if not (out / "config.json").exists():
-            convert_gguf(p, out)
-        return out
+        return build_once(out, lambda tmp: convert_gguf(p, tmp))
     if p.is_dir():
         if not (p / "config.json").exists():
             raise NestlingError(f"target folder {p} has no config.json; point --target at a Hugging Face model folder or a .gguf file")

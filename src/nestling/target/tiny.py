@@ -50,15 +50,18 @@ ARCH_CONFIGS: dict[str, dict] = {
 
 def build_tiny_target(arch: str, out: Path, tokenizer_dir: Path | None = None, seed: int = 0,
                       num_layers: int | None = None) -> Path:
-    """Write a random-weight model of `arch` plus a tokenizer to `out` (a normal HF folder)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    """Write a random-weight model of `arch` plus a tokenizer to `out` (a normal HF folder, built once)."""
+    from nestling.assets import build_once
 
     if arch not in ARCH_CONFIGS:
         raise NestlingError(f"unknown tiny architecture {arch!r}; known: {', '.join(ARCH_CONFIGS)}")
-    out = Path(out)
-    if (out / "config.json").exists():
-        return out
+    return build_once(Path(out), lambda tmp: _build(arch, tmp, tokenizer_dir, seed, num_layers))
+
+
+def _build(arch: str, out: Path, tokenizer_dir: Path | None, seed: int, num_layers: int | None) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     if tokenizer_dir is None:
         from nestling.assets import smollm2_dir
 
@@ -80,4 +83,3 @@ def build_tiny_target(arch: str, out: Path, tokenizer_dir: Path | None = None, s
                 p.normal_(0.0, 0.05)
     model.save_pretrained(out)
     tok.save_pretrained(out)
-    return out
