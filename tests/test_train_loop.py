@@ -120,6 +120,23 @@ def test_random_lm_head_run_and_rerun_is_a_no_op(capture, tmp_path):
     assert (tmp_path / "r" / "model.safetensors").stat().st_mtime_ns == stamp
 
 
+def test_wider_draft_mlp_trains_exports_and_decodes(capture, tiny_target, tmp_path):
+    """`intermediate_size` widens the draft layer's MLP (small targets: the draft's capacity); the
+    exported config says so and the reference decoder loads and runs it."""
+    from nestling.evaluate.specdec import load_draft
+    from nestling.export import export
+
+    train(capture, tmp_path / "w", TrainSettings(steps=2, intermediate_size=320, eval_batches=1, **TINY))
+    out = export(tmp_path / "w", tmp_path / "d")
+    assert json.loads((out / "config.json").read_text())["intermediate_size"] == 320
+    assert load_file(str(out / "model.safetensors"))["midlayer.mlp.up_proj.weight"].shape[0] == 320
+    from nestling.target.load import load_model
+
+    draft = load_draft(out, load_model(tiny_target("llama"), dtype="float32"))
+    assert draft.config.intermediate_size == 320
+    _fails(capture, tmp_path / "bad", "intermediate_size must be", intermediate_size=-1)
+
+
 # ---- bad input: one clear error before any training step ---------------------------------------------
 
 def _fails(capture, out, match, resume=False, **kw):

@@ -223,12 +223,16 @@ def train(capture_dir: str | Path, out: str | Path, settings: TrainSettings | No
 def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch.device, d: dist.Dist) -> dict:
     if s.ttt_steps < 1 or s.batch_tokens < 4 or s.grad_accum < 1:
         raise NestlingError("ttt_steps and grad_accum must be >= 1 and batch_tokens >= 4")
+    if s.intermediate_size < 0:
+        raise NestlingError(f"intermediate_size must be 0 (the target's) or positive, got {s.intermediate_size}")
     inp = check_inputs(capture_dir, s)
     text = getattr(inp.hf_config, "text_config", None) or inp.hf_config
     V, H = int(text.vocab_size), int(text.hidden_size)
     d2t, t2d = make_vocab(inp, s, out, V)
     cfg = DraftConfig.from_target(inp.hf_config, int(d2t.numel()), inp.aux_layer_ids, target=str(inp.target),
                                   target_fingerprint=inp.target_fp)
+    if s.intermediate_size:
+        cfg.intermediate_size = s.intermediate_size
     G = d.world * s.grad_accum
     train_stream = Stream([e["length"] for e in inp.train_index], s.batch_tokens, s.seed)
     total = s.steps if s.steps is not None else max(1, math.ceil(s.epochs * train_stream.per_epoch() / G))

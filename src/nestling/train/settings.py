@@ -16,6 +16,7 @@ class TrainSettings:
     draft_vocab_size: int = 32000  # capped at the target vocabulary
     vocab: str | None = None  # reuse an existing vocab.safetensors instead of counting the data
     lm_head_init: Literal["target", "random"] = "target"
+    intermediate_size: int = 0  # the draft layer's MLP width; 0 = the target's (engines read it from config.json)
 
     # how long
     epochs: float = 1.0
