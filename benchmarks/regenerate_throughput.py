@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--target", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--sharegpt", type=Path, help="ShareGPT JSON (default: the embedded one from the package index)")
-    ap.add_argument("--hf-batch-size", type=int, default=8, help="hf engine: requests per batch")
+    ap.add_argument("--hf-batch-size", type=int, default=0, help="hf engine: requests per batch (0 = auto: 8 on CPU, 1024 on CUDA)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (hf engine device; vLLM picks its platform)")
     ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
     ap.add_argument("--enforce-eager", action="store_true",

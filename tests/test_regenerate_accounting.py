@@ -123,3 +123,18 @@ def test_tiny_token_budget_still_regenerates_everything(tmp_path, tiny_target):
                            hf_batch_tokens=1)  # every request in a batch of its own
     c = regenerate(data, target, tmp_path / "out", s)["counts"]
     assert c["kept"] == 2 and c["failed"] == {"context_overflow": 2}
+
+
+def test_hf_batch_limits_default_per_device():
+    """Left at 0, the hf engine's batches are small on a CPU and as large as memory allows on CUDA."""
+    from types import SimpleNamespace
+
+    from nestling.regenerate.hf_engine import batch_limits, kv_bytes_per_token
+
+    smollm2 = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, num_attention_heads=9, hidden_size=576, head_dim=64)
+    kv = kv_bytes_per_token(smollm2, 2)
+    assert kv == 2 * 30 * 3 * 64 * 2  # 23 KB per token in bf16
+    assert batch_limits(RegenerateSettings(), False, kv, 0) == (8, 262144)
+    size, tokens = batch_limits(RegenerateSettings(), True, kv, 140 * 10**9)  # an idle H200
+    assert size == 1024 and 900_000 < tokens < 1_100_000  # a third of memory, the cache counted twice
+    assert batch_limits(RegenerateSettings(hf_batch_size=16, hf_batch_tokens=999), True, kv, 140 * 10**9) == (16, 999)

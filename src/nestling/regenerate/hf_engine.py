@@ -38,6 +38,28 @@ def plan_batches(prompt_lens: list[int], max_new: list[int], max_size: int, max_
     return batches
 
 
+CPU_BATCH, CPU_BATCH_TOKENS, GPU_BATCH = 8, 262144, 1024
+
+
+def kv_bytes_per_token(config, element_size: int) -> int:
+    """Bytes of KV cache one token costs the target (keys and values of every layer)."""
+    cfg = getattr(config, "text_config", None) or config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * heads * head_dim * element_size
+
+
+def batch_limits(s: RegenerateSettings, on_cuda: bool, kv_bytes: int, free_bytes: int) -> tuple[int, int]:
+    """(requests, padded tokens) per batch: the settings, or where they are 0, sized for the device.
+
+    A decode step of `generate` costs about the same for 8 rows or 1,024 on a GPU (it is bound by
+    Python and kernel launches: docs/regenerate.md), so on CUDA batches are as large as a third of
+    the free memory allows, counting the KV cache twice (transformers' cache grows by copying)."""
+    size = s.hf_batch_size or (GPU_BATCH if on_cuda else CPU_BATCH)
+    tokens = s.hf_batch_tokens or (max(4096, free_bytes // 3 // (2 * kv_bytes)) if on_cuda else CPU_BATCH_TOKENS)
+    return size, tokens
+
+
 class HFEngine:
     name = "hf"
 
@@ -59,6 +81,10 @@ class HFEngine:
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else eos[0]
         self.max_model_len = getattr(self.model.config, "max_position_embeddings", None)
         self.torch = torch
+        on_cuda = str(s.device).startswith("cuda")
+        free = torch.cuda.mem_get_info(self.model.device)[0] if on_cuda else 0
+        kv = kv_bytes_per_token(self.model.config, next(self.model.parameters()).element_size())
+        self.batch_size, self.batch_tokens = batch_limits(s, on_cuda, kv, free)
 
     def _batch(self, reqs: list[Request]) -> list[Completion]:
         torch = self.torch
@@ -91,7 +117,7 @@ class HFEngine:
     def generate(self, requests: list[Request]) -> list[Completion]:
         out: list[Completion | None] = [None] * len(requests)
         for idx in plan_batches([len(r.prompt_ids) for r in requests], [r.max_tokens for r in requests],
-                                self.s.hf_batch_size, self.s.hf_batch_tokens):
+                                self.batch_size, self.batch_tokens):
             try:
                 comps = self._batch([requests[i] for i in idx])
             except Exception as e:  # e.g. out of memory: fail these requests, not the run

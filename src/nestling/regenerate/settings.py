@@ -32,8 +32,8 @@ class RegenerateSettings:
     dtype: str = "auto"  # vllm / hf weights dtype: auto, bfloat16, float16, float32
     # engine: hf
     device: str = "cpu"
-    hf_batch_size: int = 8  # requests per batch; on a GPU, raise it (1024 for a 135M target)
-    hf_batch_tokens: int = 262144  # padded tokens per batch: requests x (longest prompt + max new tokens)
+    hf_batch_size: int = 0  # requests per batch; 0 = auto: 8 on CPU, 1024 on CUDA
+    hf_batch_tokens: int = 0  # padded tokens per batch (requests x (longest prompt + max new tokens)); 0 = auto: 262144 on CPU, from free GPU memory on CUDA
     # engine: openai (one or several OpenAI-compatible servers, requests spread round-robin)
     urls: list[str] = field(default_factory=list)
     server_model: str = ""  # model name on the server; "" = the first one /v1/models lists
