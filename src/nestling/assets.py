@@ -53,7 +53,8 @@ def build_once(entry: Path, build: Callable[[Path], None], marker: str = "config
     """The cache folder `entry`, built once by `build(folder)` if `entry/marker` is missing.
 
     Under `creation_lock`, into a temporary sibling that is renamed into place when complete, so no
-    process ever uses half a folder and a crash leaves nothing that looks finished."""
+    process ever uses half a folder and a crash leaves nothing that looks finished. `entry` belongs
+    to the cache: a folder there without `marker` is an unfinished build and is replaced."""
     entry = Path(entry)
     if (entry / marker).exists():
         return entry
