@@ -52,7 +52,6 @@ def main() -> None:
     args = ap.parse_args()
 
     from nestling.assets import sharegpt_json, smollm2_dir
-    from nestling.data.chat import read_template  # noqa: F401  (the same imports prepare_data makes)
     from nestling.data.prepare import _match_record, prepare_data
     from nestling.data.settings import DataSettings
     from nestling.target.load import resolve_target

@@ -1,7 +1,7 @@
 """The exported draft in the real vLLM engine (CPU build, subprocess, no mocks), against the
 reference decoder. One vLLM engine (the target with a briefly fitted draft) serves every assertion;
-the target's own greedy outputs come from the reference decoder (transformers), which is cheaper
-than a second vLLM engine and is the ground truth the engine must reproduce.
+the target's own greedy outputs come from transformers `generate`, which is cheaper than a second
+vLLM engine and is the ground truth the engine must reproduce.
 
 Draft: fitted for a few hundred Adam steps on step-0 next-token prediction from SmolLM2's own hidden
 states at nestling's ids (tests/eagle_helpers.py: switch to `nestling.train` once it is merged).
@@ -34,11 +34,11 @@ def run(smollm2_dir, tmp_path_factory):
     return dict(prompts=prompts, fit_dir=fit_dir, vllm=res["drafts"][0], target=smollm2_dir, ref={})
 
 
-def _reference(run, draft_dir, aux_layer_ids=None):
-    key = (str(draft_dir), tuple(aux_layer_ids or ()))
+def _reference(run, draft_dir):
+    key = str(draft_dir)
     if key not in run["ref"]:  # shared between tests: each run decodes every prompt on SmolLM2
         s = EvalSettings(k=K, max_new_tokens=NEW, baseline=False)
-        run["ref"][key] = run_reference(run["target"], draft_dir, run["prompts"], s, aux_layer_ids)
+        run["ref"][key] = run_reference(run["target"], draft_dir, run["prompts"], s)
     return run["ref"][key]
 
 

@@ -221,33 +221,28 @@ def _match_record(target_dir: Path, template: str | None) -> Path | None:
         return None
 
 
-def _format_hash(fmt) -> str:
-    from nestling.data.chat import format_key
-
-    return hash_json(format_key(fmt))
-
-
-def _read_match(record: Path | None, guess) -> str | None:
-    """The remembered tokenizer fingerprint, if the record is whole and was made for this very guess."""
+def _read_match(record: Path | None, guess_key: tuple) -> str | None:
+    """The remembered tokenizer fingerprint, if the record is whole and was made for this very guess
+    (`guess_key`: the head start's `format_key`)."""
     import json
 
     if record is None or not record.exists():
         return None
     try:
         d = json.loads(record.read_text())
-        if d.get("format_hash") == _format_hash(guess) and isinstance(d.get("tokenizer_fingerprint"), str):
+        if d.get("format_hash") == hash_json(guess_key) and isinstance(d.get("tokenizer_fingerprint"), str):
             return d["tokenizer_fingerprint"]
     except (OSError, ValueError, AttributeError):
         pass
     return None  # damaged or stale: verify again (and rewrite it)
 
 
-def _remember_match(record: Path, guess, tok_fp: str, target_dir: Path) -> None:
+def _remember_match(record: Path, guess_key: tuple, tok_fp: str, target_dir: Path) -> None:
     from nestling.manifest import atomic_write_json
 
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(record, {"tokenizer_fingerprint": tok_fp, "format_hash": _format_hash(guess),
+        atomic_write_json(record, {"tokenizer_fingerprint": tok_fp, "format_hash": hash_json(guess_key),
                                    "target": str(target_dir)})
     except OSError as e:  # only a speed-up: the next run verifies again
         log(f"[data] could not remember the tokenizer check in {record} ({e}); the next run checks again")
@@ -297,8 +292,9 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
 
     # When an earlier run verified that AutoTokenizer builds exactly what the head start read from
     # these files, skip AutoTokenizer: importing it (torch) takes ~8 CPU-s from the workers.
+    guess_key = format_key(early.guess) if early is not None else None  # type: ignore[arg-type]
     record = _match_record(target_dir, template) if early is not None else None
-    verified = _read_match(record, early.guess) if early is not None else None
+    verified = _read_match(record, guess_key) if guess_key is not None else None
     if verified is not None:
         fmt, tok_fp = early.guess, verified  # type: ignore[union-attr]
     else:
@@ -328,10 +324,10 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
     results = None
     if early is not None:
         records, reports = early.records, early.reports
-        if verified is not None or format_key(early.guess) == format_key(fmt):  # type: ignore[arg-type]
+        if verified is not None or guess_key == format_key(fmt):
             results = early.results
             if verified is None and record is not None:
-                _remember_match(record, early.guess, tok_fp, target_dir)
+                _remember_match(record, guess_key, tok_fp, target_dir)  # type: ignore[arg-type]
         else:
             log("[data] AutoTokenizer's tokenizer or template differs from the one read from the target's files; "
                 "the workers start over with AutoTokenizer's")
