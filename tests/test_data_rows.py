@@ -88,3 +88,18 @@ def test_rows_of_a_conversation_share_its_split_and_workers_change_nothing(tmp_p
     ids = {split: {s.sample_id.split("#")[0] for s in load_samples(one, split)} for split in ("train", "heldout")}
     assert ids["heldout"] and not ids["train"] & ids["heldout"]
     assert m1["counts"]["rows"] == 80 and m1["splits"]["heldout"]["samples"] == 2 * len(ids["heldout"])
+
+
+def test_turn_ranges_from_generation_tags_and_prefix_diff_agree(smollm2_dir):
+    """`Encoded.turns` (the rows' spans) is the same for the template's own mask and for prefix diffing."""
+    from test_data_chat import CHAT, CHATML_GENERATION, SYSTEM
+    from transformers import AutoTokenizer
+
+    from nestling.data.chat import chat_format, encode_conversations
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    tagged = encode_conversations(chat_format(tok, CHATML_GENERATION), [SYSTEM + CHAT])[0]
+    diffed = encode_conversations(chat_format(tok), [SYSTEM + CHAT])[0]
+    assert tagged.input_ids == diffed.input_ids and tagged.turns == diffed.turns and len(tagged.turns) == 2
+    assert [tok.decode(tagged.input_ids[a:b + 1]) for a, b in tagged.turns] == \
+           ["The capital of France is Paris.<|im_end|>", "Rome.<|im_end|>"]
