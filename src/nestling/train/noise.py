@@ -3,8 +3,9 @@
 What speculators does (`speculators/train/noise_transforms.py: AddUniformNoise`, applied by its
 training dataloader only, never to the validation split, up to its August 2026 code; the 0.9.0 release
 no longer has it): `x + 2 * (rand_like(x) - 0.5) * std` on the concatenated aux states, the input of
-`fc`, with std 0.05. Despite the name that is uniform noise in [-std, std], not scaled by anything
-(EAGLE-1 scaled its uniform noise by 512 / sequence length; SpecForge adds none). nestling does the
+`fc`, with std 0.05. Despite the name that is uniform noise in [-std, std], not scaled by anything.
+(EAGLE-1/2's trainer, `eagle/train/main.py`, added `(rand - 0.5) * std * 512 / sequence length` to the
+target state; the official EAGLE-3 trainer, `eagle/traineagle3`, and SpecForge add none.) nestling does the
 same: uniform in [-hidden_noise, hidden_noise] on `batch.aux`, before `fc`, in training forwards only.
 
 The noise of a microbatch is drawn from a generator seeded by (seed, global microbatch number), the
