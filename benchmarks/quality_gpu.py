@@ -61,6 +61,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=float, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--batch-tokens", type=int, default=8192)
+    ap.add_argument("--rows", choices=("conversation", "turn"), default="conversation",
+                    help="data stage rows: one sample per conversation, or per assistant turn (docs/data.md)")
     ap.add_argument("--regenerate", action="store_true")
     ap.add_argument("--regen-max-new-tokens", type=int, default=384)
     ap.add_argument("--regen-max-turns", type=int, default=2)
@@ -123,7 +125,7 @@ def main() -> None:
                              "settings": {k: getattr(rs, k) for k in ("max_new_tokens", "max_turns", "hf_batch_size",
                                                                             "hf_batch_tokens", "chunk_size")}}
         src = w / "regen" / "messages.jsonl"
-    ds = DataSettings(max_length=1024, held_out=0.02, limit=args.train_conversations if args.split else None)
+    ds = DataSettings(max_length=1024, held_out=0.02, rows=args.rows, limit=args.train_conversations if args.split else None)
     m = timed("data", prepare_data, [src], args.target, w / "data", ds)
     if args.fit_disk:
         free = shutil.disk_usage(w).free - args.disk_margin_gb * 1e9
@@ -144,7 +146,7 @@ def main() -> None:
                 print(f"[quality-gpu] capture refused the whole set, as it should: {e}", flush=True)
             keep = int(m["counts"]["read"] * free / (tokens * quality.BPT) * 0.98)
             print(f"[quality-gpu] keeping the first {keep:,} conversations", flush=True)
-            ds = DataSettings(max_length=1024, held_out=0.02, limit=keep)
+            ds = DataSettings(max_length=1024, held_out=0.02, rows=args.rows, limit=keep)
             m = timed("data (fit disk)", prepare_data, [src], args.target, w / "data", ds)
             res["disk"]["kept_conversations"] = keep
     res["data"] = {"counts": m["counts"], "splits": {k: {x: v[x] for x in ("samples", "tokens", "supervised_tokens")}

@@ -1,4 +1,6 @@
-"""torchrun with two CPU processes (gloo) trains what one process does with the same global batch."""
+"""torchrun with two CPU processes (gloo) trains what one process does with the same global batch,
+with the default recipe and with the peer's options (Muon + AdamW, noise on the hidden states drawn
+per global microbatch, a frozen lm_head)."""
 
 from __future__ import annotations
 
@@ -16,28 +18,47 @@ def capture(tiny_target):
     return cached_capture(tiny_target("llama"))
 
 
+RECIPES = {"default": [], "peer": ["optimizer=muon", "hidden_noise=0.05", "freeze_lm_head=true", "ttt_decay=1.0"]}
+
+
 @pytest.fixture(scope="module")
 def one_process(capture, tmp_path_factory):
+    """recipe -> its one-process run (made once)."""
     from nestling.cli import main
 
-    one = tmp_path_factory.mktemp("one") / "train"
-    assert main(["train", str(capture), "--out", str(one), *ARGS, "grad_accum=2"]) == 0
-    return one
+    runs: dict = {}
+
+    def get(recipe: str):
+        if recipe not in runs:
+            runs[recipe] = tmp_path_factory.mktemp(f"one-{recipe}") / "train"
+            assert main(["train", str(capture), "--out", str(runs[recipe]), *ARGS, *RECIPES[recipe], "grad_accum=2"]) == 0
+        return runs[recipe]
+
+    return get
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_processes_equal_one_with_accumulation(capture, one_process, tmp_path, parallel):
-    one, two = one_process, tmp_path / "two"
-    r = run_cli(["train", str(capture), "--out", str(two), *ARGS, "grad_accum=1", f"parallel={parallel}"], torchrun=2)
+@pytest.mark.parametrize("parallel, recipe", [("ddp", "default"), ("fsdp", "default"), ("ddp", "peer"), ("fsdp", "peer")])
+def test_two_processes_equal_one_with_accumulation(capture, one_process, tmp_path, parallel, recipe):
+    one, two = one_process(recipe), tmp_path / "two"
+    r = run_cli(["train", str(capture), "--out", str(two), *ARGS, *RECIPES[recipe], "grad_accum=1",
+                 f"parallel={parallel}"], torchrun=2)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("trained 4 steps") == 1  # rank 0 speaks for the job
     a, b = load_file(str(one / "model.safetensors")), load_file(str(two / "model.safetensors"))
     start = load_file(str(one / "checkpoints" / "step-00000004" / "model.safetensors"))
     assert a.keys() == b.keys() == start.keys()
     for k in a:
+        if parallel == "fsdp" and recipe == "peer" and a[k].is_floating_point():
+            # torch's Muon runs Newton-Schulz in bf16; on FSDP shards its matmuls sum in another order,
+            # so the two runs agree to bf16 rounding (measured: <= 0.3% of each weight's norm after 4 steps)
+            assert (a[k] - b[k]).norm() <= 1e-2 * a[k].norm(), k
+            continue
         torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4, msg=k)
+    if recipe == "peer":
+        assert torch.equal(a["lm_head.weight"], b["lm_head.weight"])  # frozen on every rank
     import json
 
     m1, m2 = (json.loads((d / "manifest.json").read_text()) for d in (one, two))
     assert m2["world_size"] == 2 and m1["world_size"] == 1
-    torch.testing.assert_close(m1["final_eval"]["loss"], m2["final_eval"]["loss"], atol=1e-5, rtol=1e-5)
+    tol = 1e-3 if parallel == "fsdp" and recipe == "peer" else 1e-5
+    torch.testing.assert_close(m1["final_eval"]["loss"], m2["final_eval"]["loss"], atol=tol, rtol=tol)

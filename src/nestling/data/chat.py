@@ -42,6 +42,7 @@ class Encoded:
     drop: str | None = None
     detail: str = ""
     altered: list[str] = field(default_factory=list)
+    turns: list[tuple[int, int]] = field(default_factory=list)  # token range [first, last] of each supervised turn
 
 
 @dataclass
@@ -233,13 +234,11 @@ def encode_conversations(fmt: ChatFormat, conversations: list[list[dict]], last_
 
     for p, enc in zip(live, full):
         ids = enc.ids
-        mask = np.zeros(len(ids), dtype=np.int8)
-        for a, z in p.gen_spans:  # template-marked spans: every token that overlaps them
-            ka, kz = enc.char_to_token(a), enc.char_to_token(z - 1)
-            if ka is not None and kz is not None:
-                mask[ka:kz + 1] = 1
-        spans = [_token_span(fmt, enc, ids, turn, next(local).ids) for turn in p.turns]
-        _finish(p, ids, spans, mask)
+        tagged = [(enc.char_to_token(a), enc.char_to_token(z - 1)) for a, z in p.gen_spans]
+        # template-marked spans: every token that overlaps them
+        spans = [(ka, kz) for ka, kz in tagged if ka is not None and kz is not None]
+        spans += [_token_span(fmt, enc, ids, turn, next(local).ids) for turn in p.turns]
+        _finish(p, ids, spans, np.zeros(len(ids), dtype=np.int8))
     return [p.result for p in plans]
 
 
@@ -259,6 +258,7 @@ def _finish(p: _Plan, ids: list[int], spans: list[tuple[int, int] | None], mask:
         mask[kb:je + 1] = 1
     if p.fallback:
         p.result.altered.append("prefix_mismatch_last_turn_only")
+    p.result.turns = spans  # type: ignore[assignment]
     p.result.input_ids = ids
     p.result.loss_mask = mask  # type: ignore[assignment]
 

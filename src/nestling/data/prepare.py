@@ -32,16 +32,25 @@ EXAMPLES_PER_REASON = 3
 
 
 @dataclass
+class Row:
+    """One sample written to a shard: a whole conversation, or (rows=turn) the prefix through one turn."""
+
+    sample_id: str
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+
+
+@dataclass
 class Outcome:
-    """What became of one input record."""
+    """What became of one input record: its rows, or the reason it was dropped."""
 
     sample_id: str
     source_index: int
-    input_ids: np.ndarray | None = None
-    loss_mask: np.ndarray | None = None
+    rows: list[Row] = field(default_factory=list)
     drop: str | None = None
     detail: str = ""
     altered: list[str] = field(default_factory=list)
+    rows_dropped: list[str] = field(default_factory=list)  # rows=turn: why a turn's row was left out
 
 
 # Worker state: set in the parent before the pool forks (or by the initializer under spawn).
@@ -89,25 +98,56 @@ def _process(span: tuple[int, int]) -> list[Outcome]:
             if enc.drop is not None:
                 o.drop, o.detail = enc.drop, enc.detail
                 continue
-            ids, mask = enc.input_ids, enc.loss_mask
-            assert ids is not None and mask is not None
-            if len(ids) > settings.max_length:
-                if settings.overflow == "drop":
-                    o.drop, o.detail = "too_long", f"{len(ids)} tokens > max_length {settings.max_length}"
-                    continue
-                ids, mask = ids[: settings.max_length], mask[: settings.max_length]
-                o.altered.append("truncated_to_max_length")
-                if not mask.any():
-                    o.drop, o.detail = "no_supervised_tokens_after_truncation", f"the first {settings.max_length} tokens hold no assistant reply"
-                    continue
-            if not mask.any():
-                o.drop = "no_supervised_tokens"
-                continue
-            o.input_ids = np.fromiter(ids, dtype=np.int32, count=len(ids))  # ~3x faster than asarray for a list
-            o.loss_mask = mask
+            _add_rows(o, enc, settings)
     for o in outcomes:
         o.altered = sorted(set(o.altered))
     return outcomes
+
+
+def _candidate_rows(o: Outcome, enc, rows: str) -> list[tuple[str, list[int], np.ndarray]]:
+    """(sample_id, ids, mask) before the length limit: the conversation, or one row per supervised turn.
+
+    A turn's row is the conversation's tokens through the turn's end-of-turn token (what the engine
+    has seen when the turn ends; the formatting after it is never supervised), supervising that turn
+    only; its id is the conversation's plus `#k`, k counting the supervised turns from 0."""
+    if rows == "conversation":
+        return [(o.sample_id, enc.input_ids, enc.loss_mask)]
+    out = []
+    for k, (first, last) in enumerate(enc.turns):
+        mask = np.zeros(last + 1, dtype=np.int8)
+        mask[first:] = 1
+        out.append((f"{o.sample_id}#{k}", enc.input_ids[: last + 1], mask))
+    return out
+
+
+def _add_rows(o: Outcome, enc, settings: DataSettings) -> None:
+    """Length-limit the record's rows into `o.rows`. rows=turn: a row that does not fit is left out
+    (counted in `o.rows_dropped`); the record is dropped only when none is left, for the first row's reason."""
+    first_drop: tuple[str, str] | None = None
+    for sid, ids, mask in _candidate_rows(o, enc, settings.rows):
+        if len(ids) > settings.max_length:
+            if settings.overflow == "drop":
+                first_drop = first_drop or ("too_long", f"{len(ids)} tokens > max_length {settings.max_length}")
+                o.rows_dropped.append("too_long")
+                continue
+            ids, mask = ids[: settings.max_length], mask[: settings.max_length]
+            o.altered.append("truncated_to_max_length")
+            if not mask.any():
+                first_drop = first_drop or ("no_supervised_tokens_after_truncation",
+                                            f"the first {settings.max_length} tokens hold no assistant reply")
+                o.rows_dropped.append("no_supervised_tokens_after_truncation")
+                continue
+        if not mask.any():
+            first_drop = first_drop or ("no_supervised_tokens", "")
+            o.rows_dropped.append("no_supervised_tokens")
+            continue
+        o.rows.append(Row(sid, np.fromiter(ids, dtype=np.int32, count=len(ids)), mask))  # ~3x faster than asarray for a list
+    if not o.rows:
+        assert first_drop is not None
+        o.drop, o.detail = first_drop
+        o.rows_dropped = []  # the record's drop says it
+    elif o.rows_dropped:
+        o.altered.append("turn_rows_past_max_length_dropped")
 
 
 def heldout_of(sample_id: str, seed: int, fraction: float) -> bool:
@@ -348,6 +388,7 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
 
     counts: Counter = Counter()
     altered: Counter = Counter()
+    rows_dropped: Counter = Counter()
     examples: dict[str, list[str]] = {}
     buffers: dict[str, list[Sample]] = {s: [] for s in SPLITS}
     stats = {s: {"samples": 0, "tokens": 0, "supervised_tokens": 0, "files": []} for s in SPLITS}
@@ -373,16 +414,18 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
                 if len(ex) < EXAMPLES_PER_REASON:
                     ex.append(f"{o.sample_id}: {o.detail}" if o.detail else o.sample_id)
                 continue
+            rows_dropped.update(o.rows_dropped)
+            # by the conversation's id: every row of a conversation lands in the same split
             split = "heldout" if heldout_of(o.sample_id, settings.seed, settings.held_out) else "train"
-            assert o.input_ids is not None and o.loss_mask is not None
-            buffers[split].append(Sample(o.sample_id, o.source_index, o.input_ids, o.loss_mask))  # type: ignore[arg-type]
             st = stats[split]
-            st["samples"] += 1
-            st["tokens"] += len(o.input_ids)
-            st["supervised_tokens"] += int(o.loss_mask.sum())
-            tokens += len(o.input_ids)
-            if len(buffers[split]) >= settings.shard_samples:
-                flush(split)
+            for r in o.rows:
+                buffers[split].append(Sample(r.sample_id, o.source_index, r.input_ids, r.loss_mask))  # type: ignore[arg-type]
+                st["samples"] += 1
+                st["tokens"] += len(r.input_ids)
+                st["supervised_tokens"] += int(r.loss_mask.sum())
+                tokens += len(r.input_ids)
+                if len(buffers[split]) >= settings.shard_samples:
+                    flush(split)
         progress.update(len(outcomes), tokens=tokens, kept=stats["train"]["samples"] + stats["heldout"]["samples"])
 
     if results is not None:
@@ -404,7 +447,8 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
         flush(split)
     progress.close()
 
-    kept = stats["train"]["samples"] + stats["heldout"]["samples"]
+    kept = stats["train"]["samples"] + stats["heldout"]["samples"]  # rows
+    kept_records = len(records) - sum(counts.values())
     elapsed = time.monotonic() - t0
     manifest = write_manifest(
         out, "data", to_dict(settings),
@@ -417,15 +461,18 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
         target=str(target_dir.resolve()),
         fingerprint=fingerprint,
         mask_method=fmt.mask_method,
-        counts={"read": len(records), "kept": kept, "dropped": dict(sorted(counts.items())),
-                "altered": dict(sorted(altered.items()))},
+        counts={"read": len(records), "kept": kept_records, "dropped": dict(sorted(counts.items())),
+                "altered": dict(sorted(altered.items())), "rows": kept,
+                "rows_dropped": dict(sorted(rows_dropped.items()))},
         examples=examples,
         splits=stats,
         elapsed_s=round(elapsed, 2),
     )
     dropped = sum(counts.values())
-    log(f"[data] kept {kept}/{len(records)} conversations ({dropped} dropped"
+    log(f"[data] kept {kept_records}/{len(records)} conversations ({dropped} dropped"
         + (": " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) if counts else "") + ")"
+        + (f"; {kept} rows, one per assistant turn ({sum(rows_dropped.values())} turns past max_length left out)"
+           if settings.rows == "turn" else "")
         + f"; {stats['train']['tokens']:,} train tokens ({stats['train']['supervised_tokens']:,} supervised), "
         + f"{stats['heldout']['samples']} held out; {format_duration(elapsed)} -> {out}")
     return manifest

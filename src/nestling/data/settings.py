@@ -13,6 +13,9 @@ class DataSettings:
     max_length: int = 2048  # tokens per sample; longer samples are truncated or dropped (`overflow`)
     overflow: Literal["truncate", "drop"] = "truncate"
     last_turn_only: bool = False  # supervise only the last assistant turn of each conversation
+    # conversation: one sample per conversation, every assistant turn supervised; turn: one sample per
+    # assistant turn, the conversation through that turn, supervising that turn only (speculators' rows)
+    rows: Literal["conversation", "turn"] = "conversation"
     system_prompt: str | None = None  # replaces (or inserts) the system message of every conversation
     chat_template: str | None = None  # path of a Jinja template file; default: the tokenizer's own
     held_out: float = 0.0  # fraction of kept samples that go to the `heldout` split
@@ -25,6 +28,8 @@ class DataSettings:
     def __post_init__(self) -> None:
         from nestling.errors import NestlingError
 
+        if self.rows not in ("conversation", "turn"):
+            raise NestlingError(f"rows must be conversation or turn, got {self.rows!r}")
         if self.max_length < 2:
             raise NestlingError(f"max_length must be at least 2, got {self.max_length}")
         if not 0.0 <= self.held_out < 1.0:

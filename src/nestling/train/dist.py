@@ -74,7 +74,7 @@ def full_state(model: torch.nn.Module, optimizer, d: Dist, parallel: str) -> tup
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         sd = get_model_state_dict(model, options=opts)
-        osd = get_optimizer_state_dict(model, optimizer, options=opts)
+        osd = get_optimizer_state_dict(model, _torch_optimizers(optimizer), options=opts)
         sd = {k.removeprefix("draft."): v for k, v in sd.items()}
         return {k: v for k, v in sd.items() if not k.startswith(("embed_tokens.", "rotary."))}, osd
     return inner.draft.export_state_dict(), optimizer.state_dict()
@@ -89,10 +89,16 @@ def load_full_state(model: torch.nn.Module, optimizer, weights: dict, optim_stat
 
         opts = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(model, {f"draft.{k}": v for k, v in weights.items()}, options=opts)
-        set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
+        set_optimizer_state_dict(model, _torch_optimizers(optimizer), optim_state, options=opts)
         return
     inner.draft.load_export_state_dict(weights)
     optimizer.load_state_dict(optim_state)
+
+
+def _torch_optimizers(optimizer):
+    """The torch optimizer(s) behind train/optim.py's `Optimizers` (FSDP's state-dict helpers take a list)."""
+    opts = getattr(optimizer, "optimizers", [optimizer])
+    return opts[0] if len(opts) == 1 else opts
 
 
 def barrier(d: Dist) -> None:

@@ -8,6 +8,7 @@ trains exactly what 2 processes x 1 do). Every input is checked before the first
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -30,18 +31,25 @@ from nestling.train.data import Prefetcher, Stream, capture_dataset, collate, re
 from nestling.train.head import read_head, teacher_rows
 from nestling.train.loss import simulated_acceptance_length, supervised_counts, teacher, ttt_loss
 from nestling.train.metrics import MetricsLog, plot
-from nestling.train.settings import TrainSettings
+from nestling.train.noise import add_uniform_noise, microbatch_seed
+from nestling.train.optim import build_optimizer
+from nestling.train.settings import TrainSettings, resolve_lr
 from nestling.train.ttt import PackedBatch, attention_backend, ttt_hidden
 
 
 class TTTObjective(nn.Module):
     """The draft plus its TTT loss behind one `forward`, the entry point DDP and FSDP hook into."""
 
-    def __init__(self, draft: Eagle3Draft, steps: int, decay: float, backend: str):
+    def __init__(self, draft: Eagle3Draft, steps: int, decay: float, backend: str, hidden_noise: float = 0.0):
         super().__init__()
         self.draft, self.steps, self.decay, self.backend = draft, steps, decay, backend
+        self.hidden_noise = hidden_noise
 
-    def forward(self, batch: PackedBatch, t, denom: torch.Tensor):
+    def forward(self, batch: PackedBatch, t, denom: torch.Tensor, noise_seed: int | None = None):
+        """`noise_seed`: the training microbatch's seed for `hidden_noise` (train/noise.py); evaluation
+        passes none, and a module in eval mode adds no noise either."""
+        if self.hidden_noise > 0 and self.training and noise_seed is not None:
+            batch = dataclasses.replace(batch, aux=add_uniform_noise(batch.aux, self.hidden_noise, noise_seed))
         try:
             hiddens = ttt_hidden(self.draft, batch, self.steps, self.backend)
         except Exception as e:  # flex needs a working compiler toolchain; the mask path always works
@@ -162,9 +170,11 @@ def make_vocab(inp: Inputs, s: TrainSettings, out: Path, vocab_size: int) -> tup
     return d2t, t2d
 
 
-def build_draft(cfg: DraftConfig, head, d2t: torch.Tensor, t2d: torch.Tensor, lm_head_init: str) -> Eagle3Draft:
+def build_draft(cfg: DraftConfig, head, d2t: torch.Tensor, t2d: torch.Tensor, lm_head_init: str,
+                freeze_lm_head: bool = False) -> Eagle3Draft:
     """A fresh draft: the target's (frozen) embedding, the vocabulary, and the lm_head either from
-    the target's rows of the draft vocabulary or left at its random init."""
+    the target's rows of the draft vocabulary or left at its random init; `freeze_lm_head` keeps it
+    out of training (as speculators does: the target's own output rows)."""
     draft = Eagle3Draft(cfg)
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(head.embed.float())
@@ -172,6 +182,7 @@ def build_draft(cfg: DraftConfig, head, d2t: torch.Tensor, t2d: torch.Tensor, lm
         draft.t2d.copy_(t2d)
         if lm_head_init == "target":
             draft.lm_head.weight.copy_(head.lm_head[draft_ids_to_target(d2t)].float())
+    draft.lm_head.weight.requires_grad_(not freeze_lm_head)
     return draft
 
 
@@ -190,9 +201,11 @@ def _amp(device: torch.device, s: TrainSettings) -> torch.dtype:
     return getattr(torch, s.dtype)
 
 
-def _config_key(cfg: DraftConfig, d2t: torch.Tensor, inp: Inputs, s: TrainSettings, total: int, world: int) -> str:
-    """What decides the trajectory; a checkpoint resumes only under the same key."""
-    traj = {k: v for k, v in to_dict(s).items() if k not in (
+def _config_key(cfg: DraftConfig, d2t: torch.Tensor, inp: Inputs, s: TrainSettings, total: int, world: int,
+                lr: float) -> str:
+    """What decides the trajectory; a checkpoint resumes only under the same key (`lr`: the one used,
+    given or derived)."""
+    traj = {k: v for k, v in {**to_dict(s), "lr": lr}.items() if k not in (
         "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches", "log_every", "progress_interval",
         "device", "attention", "compile", "parallel", "teacher_chunk", "target", "vocab", "grad_accum", "steps",
         "epochs")}
@@ -236,7 +249,8 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
     G = d.world * s.grad_accum
     train_stream = Stream([e["length"] for e in inp.train_index], s.batch_tokens, s.seed)
     total = s.steps if s.steps is not None else max(1, math.ceil(s.epochs * train_stream.per_epoch() / G))
-    key = _config_key(cfg, d2t, inp, s, total, d.world)
+    lr, lr_why = resolve_lr(s, H, total)
+    key = _config_key(cfg, d2t, inp, s, total, d.world, lr)
 
     if (out / MANIFEST).exists():
         old = read_manifest(out, "train")
@@ -261,7 +275,7 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
     # ---- build (same seed on every rank: identical initial weights) ----
     torch.manual_seed(s.seed)
     head = read_head(inp.target, V, H)
-    draft = build_draft(cfg, head, d2t, t2d, s.lm_head_init)
+    draft = build_draft(cfg, head, d2t, t2d, s.lm_head_init, s.freeze_lm_head)
     amp = _amp(device, s)
     draft.to(device)
     if amp != torch.float32:
@@ -273,19 +287,15 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
     if backend == "flex" and device.type != "cuda":
         raise NestlingError("attention=flex trains on CUDA only (PyTorch has no flex-attention backward on CPU); "
                             "use attention=auto or attention=mask")
-    objective = TTTObjective(draft, s.ttt_steps, s.ttt_decay, backend)
+    objective = TTTObjective(draft, s.ttt_steps, s.ttt_decay, backend, s.hidden_noise)
     model = dist.wrap(objective, d, s.parallel, device)
     params = [p for p in model.parameters() if p.requires_grad]
-    betas = tuple(s.betas) if s.betas else (0.9, 0.95)
-    optimizer = torch.optim.AdamW(params, lr=s.lr, betas=betas, weight_decay=s.weight_decay,
-                                  fused=device.type == "cuda")
     warmup = s.warmup_steps if s.warmup_steps is not None else int(s.warmup_ratio * total)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda st: lr_factor(st, total, warmup, s.min_lr_ratio))
+    optimizer = build_optimizer(model, s, lr, lambda st: lr_factor(st, total, warmup, s.min_lr_ratio), device)
     step = 0
     if state is not None:
         dist.load_full_state(model, optimizer, weights, optim_state, d, s.parallel)
-        scheduler.load_state_dict(state["scheduler"])
+        optimizer.load_scheduler_state(state["scheduler"])
         ckpt.restore_rng(state)
         step = int(state["step"])
         log(f"[train] resumed from {start_ckpt} at step {step}/{total}")
@@ -344,7 +354,7 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
     def save_checkpoint(at: int) -> None:
         weights_, optim_ = dist.full_state(model, optimizer, d, s.parallel)
         if d.main:
-            ckpt.save(root, at, weights_, optim_, scheduler.state_dict(), key,
+            ckpt.save(root, at, weights_, optim_, optimizer.scheduler_state(), key,
                       {"microbatches_done": at * G, "total_steps": total, "world": d.world}, s.keep_checkpoints)
         dist.barrier(d)
 
@@ -353,6 +363,10 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
             f"{s.batch_tokens} tokens; {total} steps x {G} microbatches; K={K}; draft vocab {cfg.draft_vocab_size}; "
             f"{sum(p.numel() for p in params):,} trainable params; {device} {str(amp).split('.')[-1]}, attention "
             f"{backend}, {d.world} rank(s)")
+        log(f"[train] lr {lr:g} ({lr_why}); optimizer {s.optimizer}"
+            + (f", muon_lr {s.muon_lr if s.muon_lr is not None else lr:g}" if s.optimizer == "muon" else "")
+            + ("; lm_head frozen at the target's rows" if s.freeze_lm_head else "")
+            + (f"; hidden_noise {s.hidden_noise:g}" if s.hidden_noise else ""))
     prog = Progress("train", total=total - step, unit="steps", interval=s.progress_interval,
                     state_file=out / "progress.json" if d.main else None) if d.main else None
     interval = torch.zeros(3, K, dtype=torch.float64, device=device)
@@ -362,6 +376,9 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
         mbs = [train_stream[at * G + a * d.world + d.rank] for a in range(s.grad_accum)]
         bs = [load(mb, train_ds) for mb in mbs]
         return [b.pin() for b in bs] if device.type == "cuda" else bs
+
+    def noise_seed(microbatch: int) -> int | None:  # None without noise: nothing changes per call (compile)
+        return microbatch_seed(s.seed, microbatch) if s.hidden_noise > 0 else None
 
     prefetch = Prefetcher(load_step, step, total)
     while step < total:
@@ -378,12 +395,11 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
                 model.set_requires_gradient_sync(last)
             with sync:
                 with autocast():
-                    loss, sums, correct, count = fwd(b, t, denom)
+                    loss, sums, correct, count = fwd(b, t, denom, noise_seed(step * G + a * d.world + d.rank))
                 (loss * d.world).backward()
             interval += torch.stack([sums, correct, count])
         gnorm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip) if s.grad_clip > 0 else None
-        optimizer.step()
-        scheduler.step()
+        optimizer.step()  # and the lr schedule
         optimizer.zero_grad(set_to_none=True)
         step += 1
         interval_tokens += tokens
@@ -392,7 +408,7 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
             cnt = tot[2].clamp(min=1)
             loss_j, acc_j = (tot[0] / cnt).tolist(), (tot[1] / cnt).tolist()
             now = time.monotonic()
-            rec = {"step": step, "split": "train", "lr": scheduler.get_last_lr()[0],
+            rec = {"step": step, "split": "train", "lr": optimizer.last_lr(),
                    "loss": sum(s.ttt_decay ** j * l for j, l in enumerate(loss_j)),
                    **{f"loss_{j}": v for j, v in enumerate(loss_j)}, **{f"acc_{j}": v for j, v in enumerate(acc_j)},
                    "grad_norm": float(gnorm) if gnorm is not None else None,
@@ -431,7 +447,7 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
         manifest = write_manifest(
             out, "train", to_dict(s),
             {"capture": hash_json(inp.manifest), "target": inp.target_fp},
-            config_key=key, target=str(inp.target), target_fingerprint=inp.target_fp,
+            config_key=key, lr=lr, lr_reason=lr_why, target=str(inp.target), target_fingerprint=inp.target_fp,
             aux_layer_ids=inp.aux_layer_ids, layer_ids=inp.manifest.get("layer_ids"),
             capture_dir=str(capture_dir.resolve()), draft_config=asdict(cfg), steps=total,
             world_size=d.world, final_eval=last_eval, final_train=metrics.last("train"))

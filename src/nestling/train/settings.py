@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
+
+from nestling.errors import NestlingError
 
 
 @dataclass
@@ -12,10 +15,11 @@ class TrainSettings:
     target: str | None = None  # target folder; default: the one recorded in the capture manifest
     aux_layer_ids: list[int] | None = None  # must equal the capture's when given
     ttt_steps: int = 7  # K: draft steps trained per anchor (the engine's num_speculative_tokens)
-    ttt_decay: float = 0.8  # step j is weighted decay**j
+    ttt_decay: float = 0.8  # step j is weighted decay**j (1.0 = equal weights, as speculators)
     draft_vocab_size: int = 32000  # capped at the target vocabulary
     vocab: str | None = None  # reuse an existing vocab.safetensors instead of counting the data
     lm_head_init: Literal["target", "random"] = "target"
+    freeze_lm_head: bool = False  # keep lm_head at the target's rows (not trained, not in the optimizer)
     intermediate_size: int = 0  # the draft layer's MLP width; 0 = the target's (engines read it from config.json)
 
     # how long
@@ -28,7 +32,12 @@ class TrainSettings:
     pad_to_budget: bool | None = None  # fixed shapes (default on CUDA: no recompiles)
 
     # optimizer
-    lr: float = 1e-4
+    lr: float | None = None  # None: default_lr(hidden size, steps), logged with the reason
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon for the 2-D hidden matrices, AdamW for the rest
+    muon_lr: float | None = None  # Muon group's lr; None = lr (speculators 0.9.0)
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.1
+    hidden_noise: float = 0.0  # uniform noise in [-x, x] on the aux states fed to fc, training only (0 = off)
     min_lr_ratio: float = 0.0
     warmup_steps: int | None = None  # default: warmup_ratio of all steps
     warmup_ratio: float = 0.02
@@ -52,3 +61,51 @@ class TrainSettings:
     eval_batches: int = 50  # held-out microbatches per evaluation (0 = no evaluation)
     log_every: int = 10
     progress_interval: float = 5.0
+
+    def __post_init__(self) -> None:
+        _check_positive("lr", self.lr)
+        _check_positive("muon_lr", self.muon_lr)
+        if self.optimizer not in ("adamw", "muon"):
+            raise NestlingError(f"optimizer must be adamw or muon, got {self.optimizer!r}")
+        if not (math.isfinite(self.hidden_noise) and self.hidden_noise >= 0):
+            raise NestlingError(f"hidden_noise is the half-width of uniform noise, >= 0 (0 = off), got {self.hidden_noise}")
+        if not (math.isfinite(self.ttt_decay) and self.ttt_decay > 0):
+            raise NestlingError(f"ttt_decay must be > 0 (1.0 = equal step weights), got {self.ttt_decay}")
+        if not 0 <= self.muon_momentum < 1 or self.muon_weight_decay < 0:
+            raise NestlingError(f"muon_momentum must lie in [0, 1) and muon_weight_decay be >= 0, got "
+                                f"{self.muon_momentum} and {self.muon_weight_decay}")
+        if self.freeze_lm_head and self.lm_head_init != "target":
+            raise NestlingError("freeze_lm_head keeps lm_head at its initial rows, which only makes sense for "
+                                "lm_head_init=target (a frozen random head cannot predict anything)")
+
+
+def _check_positive(name: str, value: float | None) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise NestlingError(f"{name} must be a positive number (or left unset for the default), got {value}")
+
+
+# ---- the default learning rate -------------------------------------------------------------------------
+
+# Measured anchors (docs/train.md, "Recipe measurements"): 2e-3 was the best lr for SmolLM2-135M
+# (hidden 576) at a short budget; 1e-4 is the usual value for 8B-class (hidden 4096) targets.
+SMALL_HIDDEN, SMALL_LR = 576, 2e-3
+LARGE_HIDDEN, LARGE_LR = 4096, 1e-4
+
+
+def default_lr(hidden_size: int, total_steps: int) -> float:
+    """The lr used when `lr` is unset: SMALL_LR at hidden <= 576, LARGE_LR at hidden >= 4096, and in
+    between linear in log(lr) against log(hidden). `total_steps` is taken so that the rule can
+    depend on the budget once that is measured; today it does not."""
+    del total_steps  # not used yet: see the docstring
+    h = min(max(hidden_size, SMALL_HIDDEN), LARGE_HIDDEN)
+    f = math.log(h / SMALL_HIDDEN) / math.log(LARGE_HIDDEN / SMALL_HIDDEN)
+    return math.exp(math.log(SMALL_LR) + f * (math.log(LARGE_LR) - math.log(SMALL_LR)))
+
+
+def resolve_lr(s: TrainSettings, hidden_size: int, total_steps: int) -> tuple[float, str]:
+    """(lr, why): the given lr, or default_lr's with the inputs it was derived from."""
+    if s.lr is not None:
+        return s.lr, "given"
+    lr = default_lr(hidden_size, total_steps)
+    return lr, (f"default for hidden size {hidden_size} (2e-3 at <= {SMALL_HIDDEN}, 1e-4 at >= {LARGE_HIDDEN}, "
+                "log-linear between; set lr= to override)")

@@ -1,0 +1,162 @@
+"""Recipe options of the trainer (docs/train.md, "Recipe options"): a frozen lm_head, Muon, noise on
+the hidden states, equal step weights and the derived default lr, each on a tiny target's capture."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from capture_fixture import cached_capture, one_thread  # noqa: F401 (autouse fixture)
+from safetensors.torch import load_file
+
+from nestling.errors import NestlingError
+from nestling.train import TrainSettings, train
+
+TINY = dict(batch_tokens=64, draft_vocab_size=100, ttt_steps=3, lr=3e-3, progress_interval=100.0, log_every=1)
+
+
+@pytest.fixture(scope="module")
+def capture(tiny_target):
+    return cached_capture(tiny_target("llama"))
+
+
+def _initial_draft(capture, s: TrainSettings):
+    """The draft as the loop builds it before step 1 (same seed, same vocabulary)."""
+    from nestling.draft.model import DraftConfig
+    from nestling.train.head import read_head
+    from nestling.train.loop import build_draft, check_inputs, make_vocab
+
+    inp = check_inputs(capture, s)
+    d2t, t2d = make_vocab(inp, s, capture / "nowhere", 49152)
+    cfg = DraftConfig.from_target(inp.hf_config, 100, inp.aux_layer_ids)
+    torch.manual_seed(s.seed)
+    head = read_head(inp.target, 49152, 128)
+    return build_draft(cfg, head, d2t, t2d, s.lm_head_init, s.freeze_lm_head), head, d2t
+
+
+def test_frozen_lm_head_stays_at_the_target_rows_and_is_exported(capture, tmp_path, capsys):
+    from nestling.draft.vocab import draft_ids_to_target
+    from nestling.export import export
+
+    s = TrainSettings(steps=4, freeze_lm_head=True, ttt_decay=1.0, eval_batches=1, **TINY)
+    m = train(capture, tmp_path / "t", s)
+    init, head, d2t = _initial_draft(capture, s)
+    rows = head.lm_head[draft_ids_to_target(d2t)].float()
+    w = load_file(str(tmp_path / "t" / "model.safetensors"))
+    assert torch.equal(w["lm_head.weight"], rows)  # bit for bit: never stepped (no weight decay either)
+    assert torch.equal(init.lm_head.weight.data, rows) and not torch.equal(w["fc.weight"], init.fc.weight.data)
+    assert not torch.equal(w["midlayer.mlp.up_proj.weight"], init.midlayer.mlp.up_proj.weight.data)
+    assert "lm_head frozen" in capsys.readouterr().err
+    # ttt_decay 1.0: every step counts equally in the reported loss
+    r = m["final_train"]
+    torch.testing.assert_close(r["loss"], sum(r[f"loss_{j}"] for j in range(3)))
+    out = export(tmp_path / "t", tmp_path / "d")  # in the export dtype (bf16)
+    exported = load_file(str(out / "model.safetensors"))["lm_head.weight"]
+    assert torch.equal(exported, rows.to(exported.dtype))
+
+
+def test_muon_splits_hidden_matrices_trains_and_saves_both_states(capture, tmp_path):
+    from nestling.draft.model import DraftConfig, Eagle3Draft
+    from nestling.train.optim import muon_split
+
+    cfg = DraftConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=8, vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 2, 3], num_target_layers=4)
+    d = Eagle3Draft(cfg)
+    named = list(d.named_parameters())
+    muon, adamw = muon_split(named)
+    name = {id(p): n for n, p in named}
+    assert sorted(name[id(p)] for p in muon) == sorted(
+        ["fc.weight"] + [f"midlayer.self_attn.{x}_proj.weight" for x in "qkvo"]
+        + [f"midlayer.mlp.{x}_proj.weight" for x in ("gate", "up", "down")])
+    assert sorted(name[id(p)] for p in adamw) == sorted(
+        ["lm_head.weight", "norm.weight"] + [f"midlayer.{n}.weight" for n in
+                                              ("input_layernorm", "hidden_norm", "post_attention_layernorm")])
+
+    m = train(capture, tmp_path / "m", TrainSettings(steps=16, optimizer="muon", eval_every=0, eval_batches=0, **TINY))
+    recs = [json.loads(x) for x in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    first, last = [r["loss"] for r in recs[:4]], [r["loss"] for r in recs[-4:]]
+    assert sum(last) < 0.93 * sum(first), (first, last)  # 11.6 -> 10.4 measured
+    assert m["lr"] == 3e-3 and m["lr_reason"] == "given"
+    st = torch.load(tmp_path / "m" / "checkpoints" / "step-00000016" / "optimizer.pt", weights_only=True)
+    assert set(st) == {"muon", "adamw"}
+    assert len(st["muon"]["state"]) == 8 and all("momentum_buffer" in v for v in st["muon"]["state"].values())
+    assert all("exp_avg_sq" in v for v in st["adamw"]["state"].values())
+
+
+def test_resume_is_exact_with_muon_noise_and_a_frozen_head(capture, tmp_path):
+    """A run resumed from its step-4 checkpoint ends bit for bit where the straight run does: both
+    optimizers' states and the schedule come back, and the noise is a function of (seed, microbatch)."""
+    s = TrainSettings(steps=8, optimizer="muon", hidden_noise=0.05, freeze_lm_head=True, checkpoint_every=4,
+                      eval_every=4, eval_batches=1, **TINY)
+    straight = tmp_path / "straight"
+    train(capture, straight, s)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight / "checkpoints" / "step-00000004", resumed / "checkpoints" / "step-00000004")
+    train(capture, resumed, s, resume=True)
+    a, b = load_file(str(straight / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    sa, sb = (torch.load(p / "checkpoints" / "step-00000008" / "optimizer.pt", weights_only=True)
+              for p in (straight, resumed))
+    for part in ("muon", "adamw"):
+        for i, v in sa[part]["state"].items():
+            assert all(torch.equal(v[k], sb[part]["state"][i][k]) for k in v if torch.is_tensor(v[k]))
+    losses = lambda p: [(r["step"], r["split"], r["loss"]) for r in  # noqa: E731
+                        map(json.loads, (p / "metrics.jsonl").read_text().splitlines())]
+    assert [x for x in losses(straight) if x[0] > 4] == losses(resumed)  # (metrics.jsonl was not copied)
+
+
+def test_noise_is_uniform_derived_from_seed_and_microbatch_and_training_only(capture):
+    from nestling.train.loop import TTTObjective
+    from nestling.train.loss import supervised_counts, teacher
+    from nestling.train.noise import add_uniform_noise, microbatch_seed
+
+    assert microbatch_seed(0, 5) == microbatch_seed(0, 5) != microbatch_seed(0, 6) != microbatch_seed(1, 6)
+    n = add_uniform_noise(torch.zeros(200, 300), 0.05, microbatch_seed(0, 1))
+    assert n.abs().max() <= 0.05 and abs(n.mean()) < 1e-3 and abs(n.std() - 0.05 / math.sqrt(3)) < 1e-3
+    assert torch.equal(n, add_uniform_noise(torch.zeros(200, 300), 0.05, microbatch_seed(0, 1)))
+
+    from nestling.train.data import capture_dataset, collate
+
+    s = TrainSettings(**TINY)
+    draft, head, d2t = _initial_draft(capture, s)
+    ds = capture_dataset(capture, "train")
+    b = collate([ds[0], ds[1]], 64, None)
+    from nestling.train.head import teacher_rows
+
+    w_draft, w_rest = teacher_rows(head, d2t, draft.t2d)
+    t = teacher(b.final, w_draft, w_rest)
+    denom = supervised_counts(b, 3)
+    plain, noisy = TTTObjective(draft, 3, 0.8, "mask"), TTTObjective(draft, 3, 0.8, "mask", hidden_noise=0.05)
+    base = plain(b, t, denom, 7)[0]
+    assert noisy(b, t, denom, 7)[0] != base  # training forwards see the noise...
+    assert noisy(b, t, denom, 7)[0] == noisy(b, t, denom, 7)[0]  # ...the same for the same microbatch
+    assert noisy(b, t, denom)[0] == base  # no seed (evaluation): no noise
+    noisy.eval()
+    assert noisy(b, t, denom, 7)[0] == base  # eval mode: no noise
+
+
+def test_default_lr_rule_and_log(capture, tmp_path, capsys):
+    from nestling.train.settings import default_lr
+
+    assert default_lr(576, 100) == pytest.approx(2e-3) and default_lr(135, 100) == pytest.approx(2e-3)
+    assert default_lr(4096, 100) == pytest.approx(1e-4) and default_lr(8192, 100) == pytest.approx(1e-4)
+    assert default_lr(1536, 100) == pytest.approx(math.sqrt(2e-3 * 1e-4), rel=1e-3)  # log-linear in between
+    kw = {**TINY}
+    del kw["lr"]
+    m = train(capture, tmp_path / "d", TrainSettings(steps=1, eval_batches=0, **kw))
+    assert m["lr"] == pytest.approx(2e-3) and m["settings"]["lr"] is None  # the tiny target's hidden is 128
+    assert "lr 0.002 (default for hidden size 128" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(optimizer="sgd"), "optimizer"), (dict(hidden_noise=-0.1), "hidden_noise"), (dict(lr=0.0), "lr must"),
+    (dict(muon_lr=-1.0), "muon_lr"), (dict(ttt_decay=0.0), "ttt_decay"), (dict(muon_momentum=1.0), "muon_momentum"),
+    (dict(freeze_lm_head=True, lm_head_init="random"), "lm_head_init=target")])
+def test_bad_recipe_settings(kw, match):
+    from nestling.config import from_dict
+
+    with pytest.raises(NestlingError, match=match):
+        from_dict(TrainSettings, kw)
