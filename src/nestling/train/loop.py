@@ -25,12 +25,13 @@ from nestling.manifest import MANIFEST, hash_bytes, hash_json, read_manifest, wr
 from nestling.progress import Progress, log
 from nestling.target.load import load_config, resolve_target, target_fingerprint
 from nestling.train import checkpoint as ckpt
-from nestling.train import dist
-from nestling.train.data import Prefetcher, Stream, capture_dataset, collate, read_index
+from nestling.train import dist, features
+from nestling.train.data import Prefetcher, Stream, collate, read_index
 from nestling.train.head import read_head, teacher_rows
 from nestling.train.loss import simulated_acceptance_length, supervised_counts, teacher, ttt_loss
 from nestling.train.metrics import MetricsLog, plot
 from nestling.train.settings import TrainSettings
+from nestling.train.timing import Stopwatch
 from nestling.train.ttt import PackedBatch, attention_backend, ttt_hidden
 
 
@@ -67,6 +68,7 @@ class Inputs:
     final_state: str
     train_index: list[dict]
     heldout_index: list[dict]
+    online: features.OnlineData | None = None  # set when the target runs in the loop (capture_dir = data dir)
 
 
 def check_inputs(capture_dir: Path, s: TrainSettings) -> Inputs:
@@ -126,6 +128,9 @@ def check_inputs(capture_dir: Path, s: TrainSettings) -> Inputs:
 def supervised_token_counts(inp: Inputs, vocab_size: int) -> torch.Tensor:
     """Histogram of the supervised (loss_mask) tokens of the training split, read shard by shard."""
     from safetensors import safe_open
+
+    if inp.online is not None:
+        return count_tokens(features.supervised_ids(inp), vocab_size)
 
     def batches():
         for shard in sorted({e["shard"] for e in inp.train_index}):
@@ -190,14 +195,15 @@ def _amp(device: torch.device, s: TrainSettings) -> torch.dtype:
     return getattr(torch, s.dtype)
 
 
-def _config_key(cfg: DraftConfig, d2t: torch.Tensor, inp: Inputs, s: TrainSettings, total: int, world: int) -> str:
+def _config_key(cfg: DraftConfig, d2t: torch.Tensor, inp: Inputs, s: TrainSettings, total: int, world: int,
+                device: torch.device) -> str:
     """What decides the trajectory; a checkpoint resumes only under the same key."""
     traj = {k: v for k, v in to_dict(s).items() if k not in (
         "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches", "log_every", "progress_interval",
         "device", "attention", "compile", "parallel", "teacher_chunk", "target", "vocab", "grad_accum", "steps",
-        "epochs")}
+        "epochs", "online", "target_dtype")}
     return hash_json({"draft": asdict(cfg), "vocab": hash_bytes(d2t.numpy().tobytes()), "target": inp.target_fp,
-                      "capture": hash_json(inp.manifest), "settings": traj, "total_steps": total,
+                      "capture": hash_json(inp.manifest), "settings": traj, **features.key_extra(inp, s, device), "total_steps": total,
                       "global_microbatches": world * s.grad_accum})
 
 
@@ -225,7 +231,8 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
         raise NestlingError("ttt_steps and grad_accum must be >= 1 and batch_tokens >= 4")
     if s.intermediate_size < 0:
         raise NestlingError(f"intermediate_size must be 0 (the target's) or positive, got {s.intermediate_size}")
-    inp = check_inputs(capture_dir, s)
+    features.check_mode(capture_dir, features.is_online(s))
+    inp = features.online_inputs(capture_dir, s) if features.is_online(s) else check_inputs(capture_dir, s)
     text = getattr(inp.hf_config, "text_config", None) or inp.hf_config
     V, H = int(text.vocab_size), int(text.hidden_size)
     d2t, t2d = make_vocab(inp, s, out, V)
@@ -236,7 +243,7 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
     G = d.world * s.grad_accum
     train_stream = Stream([e["length"] for e in inp.train_index], s.batch_tokens, s.seed)
     total = s.steps if s.steps is not None else max(1, math.ceil(s.epochs * train_stream.per_epoch() / G))
-    key = _config_key(cfg, d2t, inp, s, total, d.world)
+    key = _config_key(cfg, d2t, inp, s, total, d.world, device)
 
     if (out / MANIFEST).exists():
         old = read_manifest(out, "train")
@@ -299,8 +306,10 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
         if not (out / "vocab.safetensors").exists():
             save_vocab(out / "vocab.safetensors", d2t, t2d)
     metrics = MetricsLog(out, d.main, truncate_after=step)
-    train_ds = capture_dataset(capture_dir, "train")
-    held_ds = capture_dataset(capture_dir, "heldout") if inp.heldout_index else None
+    train_ds = features.dataset(inp, "train")
+    held_ds = features.dataset(inp, "heldout") if inp.heldout_index else None
+    target = features.target_states(inp, s, device)
+    target_sw, draft_sw = Stopwatch(device), Stopwatch(device)
     held_stream = Stream([e["length"] for e in inp.heldout_index], s.batch_tokens, s.seed, shuffle=False)
     pad = s.batch_tokens if (s.pad_to_budget if s.pad_to_budget is not None else device.type == "cuda") else None
     K = s.ttt_steps
@@ -308,7 +317,10 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
     def load(mb: list[int], ds) -> PackedBatch:
         return collate([ds[i] for i in mb], s.batch_tokens, pad)
 
-    def prepare(b: PackedBatch):
+    def prepare(b: PackedBatch, sw: Stopwatch | None = None):
+        if target is not None:
+            with sw or contextlib.nullcontext():
+                b = target.fill(b)
         b = b.to(device, amp)
         final = b.final
         if norm_w is not None:
@@ -363,26 +375,32 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
         bs = [load(mb, train_ds) for mb in mbs]
         return [b.pin() for b in bs] if device.type == "cuda" else bs
 
+    def step_times() -> dict:
+        """This interval's seconds in the target forward (online) and in the draft's steps."""
+        t_s, d_s = target_sw.take(), draft_sw.take()
+        return {"draft_s": d_s, **({"target_s": t_s, "target_share": t_s / max(t_s + d_s, 1e-9)} if target else {})}
+
     prefetch = Prefetcher(load_step, step, total)
     while step < total:
         batches = prefetch.get()
         denom = dist.all_sum(sum(supervised_counts(b, K) for b in batches), d)
         tokens = int(dist.all_sum(torch.tensor([float(sum(b.num_tokens for b in batches))]), d))
         for a, cpu_batch in enumerate(batches):
-            b, t = prepare(cpu_batch)
+            b, t = prepare(cpu_batch, target_sw)
             last = a == s.grad_accum - 1
             sync = contextlib.nullcontext()
             if d.enabled and s.parallel == "ddp" and not last:
                 sync = model.no_sync()
             elif d.enabled and s.parallel == "fsdp":
                 model.set_requires_gradient_sync(last)
-            with sync:
+            with sync, draft_sw:
                 with autocast():
                     loss, sums, correct, count = fwd(b, t, denom)
                 (loss * d.world).backward()
             interval += torch.stack([sums, correct, count])
-        gnorm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip) if s.grad_clip > 0 else None
-        optimizer.step()
+        with draft_sw:
+            gnorm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip) if s.grad_clip > 0 else None
+            optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
@@ -396,12 +414,13 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
                    "loss": sum(s.ttt_decay ** j * l for j, l in enumerate(loss_j)),
                    **{f"loss_{j}": v for j, v in enumerate(loss_j)}, **{f"acc_{j}": v for j, v in enumerate(acc_j)},
                    "grad_norm": float(gnorm) if gnorm is not None else None,
-                   "tokens_per_s": interval_tokens / max(now - t_last, 1e-9)}
+                   "tokens_per_s": interval_tokens / max(now - t_last, 1e-9), **step_times()}
             metrics.write(rec)
             interval.zero_()
             interval_tokens, t_last = 0, now
             if prog:
-                prog.extra.update(step=step, loss=rec["loss"], acc_0=acc_j[0])
+                prog.extra.update(step=step, loss=rec["loss"], acc_0=acc_j[0],
+                                  **({"target_share": round(rec["target_share"], 3)} if target else {}))
         if prog:
             prog.update(1, tokens=tokens)
         if (s.eval_every > 0 and step % s.eval_every == 0) or step == total:
@@ -414,6 +433,8 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
         if step % s.checkpoint_every == 0 or step == total:
             save_checkpoint(step)
     prefetch.close()
+    if target is not None:
+        target.close()
     if prog:
         prog.close()
 
@@ -428,12 +449,13 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
         metrics.close()
         plot(out / "metrics.jsonl", out / "plot.png")
         last_eval = metrics.last("heldout")
+        extra = features.manifest_extra(inp, s, device)
         manifest = write_manifest(
             out, "train", to_dict(s),
-            {"capture": hash_json(inp.manifest), "target": inp.target_fp},
+            {**extra.pop("inputs"), "target": inp.target_fp},
             config_key=key, target=str(inp.target), target_fingerprint=inp.target_fp,
-            aux_layer_ids=inp.aux_layer_ids, layer_ids=inp.manifest.get("layer_ids"),
-            capture_dir=str(capture_dir.resolve()), draft_config=asdict(cfg), steps=total,
+            aux_layer_ids=inp.aux_layer_ids, layer_ids=inp.online.layer_ids if inp.online else inp.manifest.get("layer_ids"),
+            **extra, draft_config=asdict(cfg), steps=total,
             world_size=d.world, final_eval=last_eval, final_train=metrics.last("train"))
     dist.barrier(d)
     return manifest if d.main else read_manifest(out, "train")
