@@ -111,7 +111,7 @@ def test_online_states_equal_the_capture_store(data, capture_dir, target):
     states.close()
 
 
-def test_online_losses_equal_offline(data, capture_dir, target, tmp_path):
+def test_online_losses_equal_offline(data, capture_dir, target, tmp_path, capsys):
     off, on = tmp_path / "off", tmp_path / "on"
     assert main(["train", str(capture_dir), "--out", str(off), "--steps", "6", *ARGS]) == 0
     assert main(["train", str(data), "--online", "--target", str(target), "--out", str(on), "--steps", "6", *ARGS]) == 0
@@ -125,6 +125,12 @@ def test_online_losses_equal_offline(data, capture_dir, target, tmp_path):
     m = json.loads((on / "manifest.json").read_text())
     assert m["online"] is True and m["data_dir"] == str(data.resolve()) and "data" in m["inputs"]
     assert m["layer_ids"] == json.loads((off / "manifest.json").read_text())["layer_ids"]
+    # an offline checkpoint never resumes online (the key hashes the data manifest and an online marker)
+    (off / "manifest.json").unlink()
+    capsys.readouterr()
+    assert main(["train", str(data), "--online", "--target", str(target), "--out", str(off), "--steps", "6", *ARGS,
+                 "--resume"]) == 1
+    assert "checkpoint" in capsys.readouterr().err
 
 
 def test_online_kill_then_resume_equals_straight_run(data, target, tmp_path):
@@ -144,7 +150,6 @@ def test_online_kill_then_resume_equals_straight_run(data, target, tmp_path):
     proc.wait()
     assert not (out / "manifest.json").exists()
 
-    # an online checkpoint never resumes an offline run of the same folder's capture (other key)
     r = run_cli(["train", str(data), "--out", str(out), *args, "--resume"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "resumed from" in r.stderr
@@ -177,3 +182,31 @@ def test_data_folder_without_online_says_what_to_do(data, capture_dir, tmp_path,
     assert main(["train", str(capture_dir), "--online", "--out", str(tmp_path / "y"), "--steps", "1"]) == 1
     assert "capture folder" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_pipeline_auto_picks_a_mode_and_says_why(tiny_target, sharegpt_path, tmp_path, capsys):
+    from nestling.train.features import choose_online
+    from nestling.train.settings import TrainSettings
+
+    target = tiny_target("llama")
+    # the rule on a CPU: one pass online (nothing stored), more passes reread a capture
+    assert choose_online(TrainSettings(device="cpu"), target)[0] is True
+    online, why = choose_online(TrainSettings(device="cpu", epochs=3), target)
+    assert online is False and "epochs 3 > 1" in why
+    assert choose_online(TrainSettings(device="cpu", steps=100), target)[0] is False
+    assert choose_online(TrainSettings(device="cpu", steps=100, online=True), target) == (True, "train.online is true")
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"target: {target}\ninputs: [{sharegpt_path}]\nrun_dir: {tmp_path / 'run'}\n"
+                   "data: {max_length: 128, held_out: 0.1}\n"
+                   "train: {device: cpu, batch_tokens: 256, ttt_steps: 2, draft_vocab_size: 256}\n"
+                   "eval: {engine: reference, device: cpu}\n")
+    assert main(["run", str(cfg), "--dry-run"]) == 0, capsys.readouterr()
+    cap = capsys.readouterr()
+    out = cap.out + cap.err
+    assert "the full run trains online (on a CPU a single pass" in out and "no capture stage" in out
+    scratch = tmp_path / "run" / "dry-run"
+    assert not (scratch / "capture").exists()
+    assert json.loads((scratch / "train" / "manifest.json").read_text())["online"] is True
+    report = json.loads((scratch / "estimate.json").read_text())
+    assert [s["stage"] for s in report["stages"]] == ["data", "train", "export", "eval"]

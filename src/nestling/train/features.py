@@ -243,3 +243,60 @@ def target_states(inp: "Inputs", s: "TrainSettings", device: torch.device) -> Ta
     if inp.online is None:
         return None
     return TargetStates(inp.online, inp.target, device, target_dtype(s, device), s.batch_tokens)
+
+
+# ---- `online: auto` (nestling run) ---------------------------------------------------------------
+
+def target_weight_bytes(target: Path, dtype: str) -> int:
+    """The target's weights in `dtype` (safetensors sizes, rescaled when stored wider or narrower)."""
+    from nestling.target.load import load_config
+
+    cfg = load_config(target)
+    stored = str(getattr(cfg, "torch_dtype", None) or getattr(cfg, "dtype", None) or "bfloat16").replace("torch.", "")
+    width = {"float32": 4, "bfloat16": 2, "float16": 2}
+    files = sum(p.stat().st_size for p in Path(target).glob("*.safetensors"))
+    return int(files * width.get(dtype, 2) / width.get(stored, 2))
+
+
+def draft_bytes_estimate(target: Path, s: "TrainSettings") -> int:
+    """A rough upper bound of what training the draft holds on the device (docs/train.md): fp32 weights,
+    grads and Adam moments of the trainable part, the frozen embedding and teacher rows in bf16, the K
+    steps' activations and draft-vocabulary logits of one microbatch, the target's transient activations."""
+    from nestling.target.load import load_config
+
+    text = getattr(load_config(target), "text_config", None) or load_config(target)
+    H, V = int(text.hidden_size), int(text.vocab_size)
+    inter = int(s.intermediate_size or getattr(text, "intermediate_size", 4 * H))
+    dv, K, T = min(s.draft_vocab_size, V), s.ttt_steps, s.batch_tokens
+    n_aux = len(s.aux_layer_ids) if s.aux_layer_ids else 3
+    trainable = n_aux * H * H + 2 * H * 2 * H + H * H + 3 * H * inter + dv * H
+    frozen = 2 * V * H * 2
+    activations = T * K * (dv * 4 * 2 + 40 * H * 4) + T * ((n_aux + 5) * H + 3 * inter) * 2
+    return 16 * trainable + frozen + activations
+
+
+def choose_online(s: "TrainSettings", target: Path) -> tuple[bool, str]:
+    """Resolve `online: auto` for `nestling run` and say why. On CUDA: online when the target's weights
+    plus the draft's estimate fit in 90% of the free GPU memory (a capture store is then only a cost).
+    On a CPU, where the target's forward costs as much online as in a capture, online only for a single
+    pass (epochs <= 1, steps unset): more passes reread one store instead of rerunning the target."""
+    from nestling.progress import format_bytes
+
+    if s.online is True or s.online is False:
+        return s.online, f"train.online is {str(s.online).lower()}"
+    cuda = s.device == "cuda" or (s.device == "auto" and torch.cuda.is_available())
+    if not cuda:
+        if s.steps is None and s.epochs <= 1:
+            return True, (f"on a CPU a single pass (epochs {s.epochs:g}) runs the target once per token either way, "
+                          "and online stores nothing")
+        passes = f"steps {s.steps} may pass over the data more than once" if s.steps else f"epochs {s.epochs:g} > 1"
+        return False, f"on a CPU the capture is computed once and reread every pass ({passes})"
+    dev = torch.device("cuda", torch.cuda.current_device())
+    need_t = target_weight_bytes(target, target_dtype(s, dev))
+    need_d = draft_bytes_estimate(target, s)
+    free = torch.cuda.mem_get_info(dev)[0]
+    sizes = (f"target {format_bytes(need_t)} + draft ~{format_bytes(need_d)} against {format_bytes(free)} free "
+             f"on {torch.cuda.get_device_name(dev)}")
+    if need_t + need_d <= 0.9 * free:
+        return True, f"the target fits beside the draft ({sizes})"
+    return False, f"the target does not fit beside the draft ({sizes}); capturing first"
