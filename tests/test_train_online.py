@@ -184,7 +184,8 @@ def test_data_folder_without_online_says_what_to_do(data, capture_dir, tmp_path,
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
-def test_pipeline_auto_picks_a_mode_and_says_why(tiny_target, sharegpt_path, tmp_path, capsys):
+def test_pipeline_auto_picks_a_mode_and_says_why(tiny_target, sharegpt_path, tmp_path, capsys, monkeypatch):
+    from nestling.pipeline import stages
     from nestling.train.features import choose_online
     from nestling.train.settings import TrainSettings
 
@@ -196,6 +197,7 @@ def test_pipeline_auto_picks_a_mode_and_says_why(tiny_target, sharegpt_path, tmp
     assert choose_online(TrainSettings(device="cpu", steps=100), target)[0] is False
     assert choose_online(TrainSettings(device="cpu", steps=100, online=True), target) == (True, "train.online is true")
 
+    monkeypatch.setattr(stages, "_vllm_installed", lambda: False)  # the reference decoder keeps it short
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"target: {target}\ninputs: [{sharegpt_path}]\nrun_dir: {tmp_path / 'run'}\n"
                    "data: {max_length: 128, held_out: 0.1}\n"

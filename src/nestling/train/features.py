@@ -202,11 +202,8 @@ class TargetStates:
     """The target on the training device: a packed CPU batch of token ids in, the same batch with its
     aux and final states (on the device, in the target's dtype) out."""
 
-    def __init__(self, online: OnlineData, target: Path, device: torch.device, dtype: str, budget: int):
-        from nestling.capture.hf import HFBackend
-        from nestling.capture.settings import CaptureSettings
-
-        self.backend = HFBackend(target, online.layer_ids, CaptureSettings(device=str(device), dtype=dtype))
+    def __init__(self, backend, budget: int):
+        self.backend = backend  # capture's HFBackend (layer ids, dtype, device, no LM head, early stop)
         self.budget = budget
 
     def fill(self, b: PackedBatch) -> PackedBatch:
@@ -230,7 +227,7 @@ class TargetStates:
         if L > n:
             parts.append(parts[0].new_zeros(L - n, *parts[0].shape[1:]))
         # outside inference mode: the result is an ordinary tensor the draft's autograd may save
-        hidden = torch.cat(parts).index_select(0, src.to(parts[0].device, non_blocking=True))
+        hidden = torch.cat(parts).index_select(0, self.backend.to_device(src))
         return PackedBatch(b.input_ids, b.loss_mask, b.doc, b.pos, hidden[:, :-1].reshape(L, -1)[None],
                            hidden[:, -1][None], n)
 
@@ -242,7 +239,11 @@ def target_states(inp: "Inputs", s: "TrainSettings", device: torch.device) -> Ta
     """The online run's target (loaded now, after every cheap check); None offline."""
     if inp.online is None:
         return None
-    return TargetStates(inp.online, inp.target, device, target_dtype(s, device), s.batch_tokens)
+    from nestling.capture.hf import HFBackend
+    from nestling.capture.settings import CaptureSettings
+
+    settings = CaptureSettings(device=str(device), dtype=target_dtype(s, device))
+    return TargetStates(HFBackend(inp.target, inp.online.layer_ids, settings), s.batch_tokens)
 
 
 # ---- `online: auto` (nestling run) ---------------------------------------------------------------
