@@ -10,6 +10,7 @@ nothing is stored. The target costs GPU memory and time per step instead of disk
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,8 +31,6 @@ if TYPE_CHECKING:
 def folder_stage(path: Path) -> str | None:
     """The stage that wrote `path` ('data', 'capture', ...), None when it is no complete stage folder."""
     try:
-        import json
-
         return json.loads((Path(path) / MANIFEST).read_text()).get("stage")
     except (OSError, ValueError):
         return None

@@ -203,8 +203,8 @@ def _config_key(cfg: DraftConfig, d2t: torch.Tensor, inp: Inputs, s: TrainSettin
         "device", "attention", "compile", "parallel", "teacher_chunk", "target", "vocab", "grad_accum", "steps",
         "epochs", "online", "target_dtype")}
     return hash_json({"draft": asdict(cfg), "vocab": hash_bytes(d2t.numpy().tobytes()), "target": inp.target_fp,
-                      "capture": hash_json(inp.manifest), "settings": traj, **features.key_extra(inp, s, device), "total_steps": total,
-                      "global_microbatches": world * s.grad_accum})
+                      "capture": hash_json(inp.manifest), "settings": traj, "total_steps": total,
+                      "global_microbatches": world * s.grad_accum, **features.key_extra(inp, s, device)})
 
 
 # ---- the loop ----------------------------------------------------------------------------------------
@@ -308,7 +308,7 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
     metrics = MetricsLog(out, d.main, truncate_after=step)
     train_ds = features.dataset(inp, "train")
     held_ds = features.dataset(inp, "heldout") if inp.heldout_index else None
-    target = features.target_states(inp, s, device)
+    target_fwd = features.target_states(inp, s, device)  # online: the target, run right before each draft step
     target_sw, draft_sw = Stopwatch(device), Stopwatch(device)
     held_stream = Stream([e["length"] for e in inp.heldout_index], s.batch_tokens, s.seed, shuffle=False)
     pad = s.batch_tokens if (s.pad_to_budget if s.pad_to_budget is not None else device.type == "cuda") else None
@@ -318,9 +318,9 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
         return collate([ds[i] for i in mb], s.batch_tokens, pad)
 
     def prepare(b: PackedBatch, sw: Stopwatch | None = None):
-        if target is not None:
+        if target_fwd is not None:
             with sw or contextlib.nullcontext():
-                b = target.fill(b)
+                b = target_fwd.fill(b)
         b = b.to(device, amp)
         final = b.final
         if norm_w is not None:
@@ -378,7 +378,7 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
     def step_times() -> dict:
         """This interval's seconds in the target forward (online) and in the draft's steps."""
         t_s, d_s = target_sw.take(), draft_sw.take()
-        return {"draft_s": d_s, **({"target_s": t_s, "target_share": t_s / max(t_s + d_s, 1e-9)} if target else {})}
+        return {"draft_s": d_s, **({"target_s": t_s, "target_share": t_s / max(t_s + d_s, 1e-9)} if target_fwd else {})}
 
     prefetch = Prefetcher(load_step, step, total)
     while step < total:
@@ -420,7 +420,7 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
             interval_tokens, t_last = 0, now
             if prog:
                 prog.extra.update(step=step, loss=rec["loss"], acc_0=acc_j[0],
-                                  **({"target_share": round(rec["target_share"], 3)} if target else {}))
+                                  **({"target_share": round(rec["target_share"], 3)} if target_fwd else {}))
         if prog:
             prog.update(1, tokens=tokens)
         if (s.eval_every > 0 and step % s.eval_every == 0) or step == total:
@@ -433,8 +433,8 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
         if step % s.checkpoint_every == 0 or step == total:
             save_checkpoint(step)
     prefetch.close()
-    if target is not None:
-        target.close()
+    if target_fwd is not None:
+        target_fwd.close()
     if prog:
         prog.close()
 
