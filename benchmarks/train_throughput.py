@@ -31,6 +31,7 @@ the H200), tokens/s, and MFU with the target forward counted separately as
 (P_target = the decoder layers' weights, no embedding or LM head; causal attention QK^T and PV).
 
     python benchmarks/train_throughput.py --device cuda --shape smollm2 --online --ttt-steps 7
+    python benchmarks/train_throughput.py --device cuda --shape smollm2 --online --docs 8 --ragged   # real packing
     python benchmarks/train_throughput.py --device cuda --shape llama8b --online --ttt-steps 7
     python benchmarks/train_throughput.py --device cpu --shape tiny --online --seq 128 --ttt-steps 3
 """
@@ -205,6 +206,8 @@ def run_online(args, K: int, cfg, trainable: int, step, dev_batch, amp, device, 
     states = TargetStates(backend, args.seq)
     n_aux = len(backend.layer_ids) - 1
     ids, doc, pos = (x[:1].cpu() for x in (dev_batch.input_ids, dev_batch.doc, dev_batch.pos))
+    if args.ragged:  # samples of random lengths, as real data packs: the target pads within groups
+        doc, pos = ragged_docs(ids.shape[1], args.docs)
     cpu_batch = PackedBatch(ids, torch.ones_like(ids, dtype=torch.bool), doc, pos, None, None, ids.numel())
     H = cfg.hidden_size
     g = torch.Generator(device=device).manual_seed(1)
@@ -245,6 +248,16 @@ def run_online(args, K: int, cfg, trainable: int, step, dev_batch, amp, device, 
             "target_forward_tflops": fl_target / t_tgt / 1e12}
 
 
+def ragged_docs(L: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`doc` and `pos` rows [1, L] of n samples with random lengths (seeded) filling L tokens."""
+    g = torch.Generator().manual_seed(0)
+    cuts = torch.sort(torch.randperm(L - 1, generator=g)[: n - 1] + 1).values.tolist()
+    lens = [b - a for a, b in zip([0] + cuts, cuts + [L])]
+    doc = torch.cat([torch.full((k,), d) for d, k in enumerate(lens)])[None]
+    pos = torch.cat([torch.arange(k) for k in lens])[None]
+    return doc, pos
+
+
 def main_online(args, cuda: bool) -> None:
     K = args.ttt_steps
     r = run_one(args, K)
@@ -254,11 +267,12 @@ def main_online(args, cuda: bool) -> None:
     r["online_mfu"] = r["online_draft_mfu"] + r["online_target_mfu"]
     device_name = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
     result = {"device": device_name, "shape": args.shape, "target_layers": TARGET_LAYERS[args.shape], "seq": args.seq,
-              "docs": args.docs, "dtype": args.dtype, "compile": args.compile, "attention": args.attention,
+              "docs": args.docs, "ragged": args.ragged, "dtype": args.dtype, "compile": args.compile, "attention": args.attention,
               "peak_tflops": peak, "torch": torch.__version__, "online": r}
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
-    print(f"online vs offline step: {args.shape} ({TARGET_LAYERS[args.shape]}-layer random target, "
+    print(f"online vs offline step: {args.shape} ({TARGET_LAYERS[args.shape]}-layer random target, {args.docs} "
+          f"{'ragged ' if args.ragged else ''}sample(s) per row, "
           f"{r['target_params'] / 1e9:.2f}B decoder params) on {device_name}, 1x{args.seq} tokens/step, K={K}, "
           f"{args.dtype}, peak {peak:.3g} TFLOP/s")
     print(f"  offline step {1e3 * r['offline_step_s']:9.1f} ms  {r['offline_tokens_per_s']:>10,.0f} tok/s  "
@@ -301,6 +315,8 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--online", action="store_const", const=True, default=None,
                    help="compare an online step (target forward + draft step) with an offline one, at --ttt-steps")
+    p.add_argument("--ragged", action="store_true",
+                   help="--online: --docs samples of random lengths per row (the target pads within its groups)")
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # child run of one K (CPU memory)
     args = p.parse_args()
     cuda = args.device.startswith("cuda")

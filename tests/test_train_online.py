@@ -196,6 +196,14 @@ def test_pipeline_auto_picks_a_mode_and_says_why(tiny_target, sharegpt_path, tmp
     assert online is False and "epochs 3 > 1" in why
     assert choose_online(TrainSettings(device="cpu", steps=100), target)[0] is False
     assert choose_online(TrainSettings(device="cpu", steps=100, online=True), target) == (True, "train.online is true")
+    # the CUDA rule's two sizes (no GPU here): weights in the target dtype, and the draft's estimate
+    from nestling.train.features import draft_bytes_estimate, target_weight_bytes
+
+    files = sum(p.stat().st_size for p in Path(target).glob("*.safetensors"))
+    assert target_weight_bytes(target, "float32") == 2 * target_weight_bytes(target, "bfloat16")
+    assert files in (target_weight_bytes(target, "float32"), target_weight_bytes(target, "bfloat16"))
+    small = draft_bytes_estimate(target, TrainSettings(batch_tokens=1024, ttt_steps=3))
+    assert 0 < small < draft_bytes_estimate(target, TrainSettings(batch_tokens=4096, ttt_steps=7))
 
     monkeypatch.setattr(stages, "_vllm_installed", lambda: False)  # the reference decoder keeps it short
     cfg = tmp_path / "run.yaml"
