@@ -182,6 +182,16 @@ def test_data_folder_without_online_says_what_to_do(data, capture_dir, tmp_path,
     assert main(["train", str(capture_dir), "--online", "--out", str(tmp_path / "y"), "--steps", "1"]) == 1
     assert "capture folder" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    # data tokenized by another tokenizer: its ids mean other text
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(data, other)
+    m = json.loads((other / "manifest.json").read_text())
+    m["inputs"]["tokenizer"] = "0" * 16
+    (other / "manifest.json").write_text(json.dumps(m))
+    assert main(["train", str(other), "--online", "--out", str(tmp_path / "z"), "--steps", "1"]) == 1
+    assert "another tokenizer" in capsys.readouterr().err and not (tmp_path / "z").exists()
 
 
 def test_pipeline_auto_picks_a_mode_and_says_why(tiny_target, sharegpt_path, tmp_path, capsys, monkeypatch):
