@@ -74,6 +74,13 @@ class HFBackend(Backend):
             self._store(j, output[0] if isinstance(output, tuple) else output)
         return hook
 
+    def to_device(self, x: torch.Tensor) -> torch.Tensor:
+        """Through pinned memory without waiting: a blocking copy would stall the host until the GPU
+        finished all queued work (online training queues the draft's step right before)."""
+        if self.device.type != "cuda":
+            return x.to(self.device)
+        return x.pin_memory().to(self.device, non_blocking=True)
+
     @torch.inference_mode()
     def capture(self, seqs: list[list[int]]) -> torch.Tensor:
         lengths = [len(s) for s in seqs]
@@ -85,10 +92,10 @@ class HFBackend(Backend):
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
             mask[i, : len(s)] = 1
-        ids = ids.to(self.device)
-        self._idx = mask.flatten().nonzero().squeeze(1).to(self.device)
+        ids, idx, dev_mask = (self.to_device(x) for x in (ids, mask.flatten().nonzero().squeeze(1), mask))
+        self._idx = idx
         self._out = torch.empty(sum(lengths), len(self.layer_ids), self.hidden_size, dtype=self.dtype, device=self.device)
-        attn = None if min(lengths) == T else mask.to(self.device)
+        attn = None if min(lengths) == T else dev_mask
         try:
             self.base(input_ids=ids, attention_mask=attn, use_cache=False)
         except _Stop:

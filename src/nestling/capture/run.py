@@ -83,16 +83,21 @@ def _to_host(h: torch.Tensor):
     return host, event, lambda: _pinned.give(buf)
 
 
-def _load_data(data_dir: Path, tok_fp: str, vocab_size: int, max_pos: int | None) -> tuple[dict, dict[str, list[Sample]]]:
-    if not data_dir.exists():
-        raise NestlingError(f"data folder {data_dir} does not exist; create it with `nestling data INPUT --target MODEL --out {data_dir}`")
-    manifest = read_manifest(data_dir, "data")
+def check_data_tokenizer(data_dir: Path, manifest: dict, tok_fp: str) -> None:
+    """The data's token ids mean the target's text only when the target's tokenizer made them."""
     data_tok = (manifest.get("inputs") or {}).get("tokenizer")
     if data_tok != tok_fp:
         raise NestlingError(
             f"{data_dir} was tokenized with another tokenizer (fingerprint {data_tok}) than the target's ({tok_fp}); "
             f"its token ids would mean different text. Run `nestling data` again with this --target."
         )
+
+
+def _load_data(data_dir: Path, tok_fp: str, vocab_size: int, max_pos: int | None) -> tuple[dict, dict[str, list[Sample]]]:
+    if not data_dir.exists():
+        raise NestlingError(f"data folder {data_dir} does not exist; create it with `nestling data INPUT --target MODEL --out {data_dir}`")
+    manifest = read_manifest(data_dir, "data")
+    check_data_tokenizer(data_dir, manifest, tok_fp)
     out: dict[str, list[Sample]] = {}
     for split in SPLITS:
         if not split_files(data_dir, split):

@@ -134,6 +134,7 @@ def doctor_dry_run(scratch: Path | None = None) -> dict:
     config = load_run_config(None, STAGES, base_data={
         "target": str(target), "inputs": [str(chat)], "run_dir": str(scratch / "run"),
         "data": {"held_out": 0.5}, "capture": {"dtype": "float32"},
+        "train": {"online": False},  # every stage runs, capture included (online skips it)
     })
     print(f"[....] dry run        tiny Llama target {target}, python {sys.version.split()[0]}", flush=True)
     return dry_run(config, stages=STAGES)

@@ -21,7 +21,7 @@ from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, atomic_write_json
 from nestling.pipeline.config import RunConfig
 from nestling.pipeline.runner import enabled_stages, resolve_paths, run
-from nestling.pipeline.stages import STAGES, Stage
+from nestling.pipeline.stages import STAGES, Stage, train_mode
 from nestling.pipeline.state import read_progress, read_state
 from nestling.progress import format_bytes, format_duration, log
 
@@ -228,6 +228,9 @@ def dry_run(config: RunConfig, *, stages: Sequence[Stage] = STAGES, scratch: Pat
     t0 = time.monotonic()
     target, _, _ = resolve_paths(config)  # a missing target or input fails here
     preflight(config, target)
+    config, mode_note = train_mode(config, target)  # decided on the full run's settings, not the dry ones
+    if mode_note:
+        log(f"[dry-run] the full run trains {mode_note}")
     real_run_dir = Path(config.run_dir)
     scratch = Path(scratch) if scratch else real_run_dir / SCRATCH
     if scratch.exists():

@@ -25,7 +25,7 @@ from nestling.config import to_dict
 from nestling.errors import NestlingError
 from nestling.manifest import FORMAT_VERSION, atomic_write_json, hash_bytes, hash_files, hash_json
 from nestling.pipeline.config import RunConfig, resolve_builtin
-from nestling.pipeline.stages import STAGES, Stage, StageContext
+from nestling.pipeline.stages import STAGES, Stage, StageContext, train_mode
 from nestling.pipeline.state import (RUN_LOG, progress_path, read_progress, read_state, state_path, tee_stderr,
                                      write_state)
 from nestling.progress import PROGRESS_ENV, format_duration, log
@@ -109,18 +109,20 @@ def run(config: RunConfig, *, stages: Sequence[Stage] = STAGES, from_stage: str 
     check_stage_names([from_stage] if from_stage else [], stages, "--from")
     check_stage_names(list(force), stages, "--force")
     check_stage_names([until] if until else [], stages, "--until")
+    target, inputs, prompts = resolve_paths(config)
+    config, mode_note = train_mode(config, target)
     active = enabled_stages(config, stages)
     names = [s.name for s in active]
     for flag, n in (("--from", from_stage), ("--until", until), *(("--force", f) for f in force)):
         if n and n not in names:
-            raise NestlingError(f"{flag} {n}: that stage is disabled in this config (add a '{n}:' section)")
-    target, inputs, prompts = resolve_paths(config)
+            raise NestlingError(f"{flag} {n}: that stage is disabled in this config (add a '{n}:' section"
+                                + (", or set train.online: false)" if n == "capture" else ")"))
     fingerprints = run_fingerprints(target, inputs, prompts)
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with run_lock(run_dir):
         return _run(config, active, names, stages, from_stage, force, until, dry_run, header, after_stage,
-                    target, inputs, prompts, fingerprints, run_dir)
+                    target, inputs, prompts, fingerprints, run_dir, mode_note)
 
 
 @contextmanager
@@ -147,7 +149,7 @@ def run_lock(run_dir: Path) -> Iterator[None]:
 
 
 def _run(config, active, names, stages, from_stage, force, until, dry_run, header, after_stage,
-         target, inputs, prompts, fingerprints, run_dir) -> list[StageOutcome]:
+         target, inputs, prompts, fingerprints, run_dir, mode_note=None) -> list[StageOutcome]:
     atomic_write_json(run_dir / RUN_FILE, {"stages": names, "config": config.to_dict(), "target": target,
                                            "inputs": inputs, "fingerprints": fingerprints})
     redo_from = names.index(from_stage) if from_stage else len(names)
@@ -155,6 +157,8 @@ def _run(config, active, names, stages, from_stage, force, until, dry_run, heade
     previous = ""
     with tee_stderr(run_dir / RUN_LOG, f"{header} {run_dir}"):
         t_run = time.monotonic()
+        if mode_note:
+            log(f"[run] train: {mode_note}")
         for i, stage in enumerate(active):
             settings = config.settings[stage.name]
             key = stage_key(stage, settings, previous, fingerprints)

@@ -108,7 +108,24 @@ def _train(ctx: StageContext) -> Any:
     fn = _resolve("nestling.train.loop:train")
     # The pipeline wipes the folder when the key changed, so whatever checkpoint is there is ours.
     kw = {"resume": True} if "resume" in inspect.signature(fn).parameters else {}
+    if getattr(ctx.settings, "online", False) is True:  # the target runs in the loop on the data stage's tokens
+        return fn(ctx.dir("data"), ctx.out, replace(ctx.settings, target=ctx.settings.target or ctx.target), **kw)
     return fn(ctx.dir("capture"), ctx.out, ctx.settings, **kw)
+
+
+def train_mode(config: Any, target: str) -> tuple[Any, str | None]:
+    """Resolve `train.online` (auto: the rule of `nestling.train.features.choose_online`, docs/train.md)
+    into true or false; online drops the capture stage. Returns the config and which mode and why."""
+    tr = config.settings.get("train")
+    if tr is None or not hasattr(tr, "online") or "capture" not in config.settings:
+        return config, None
+    online, why = _call("nestling.train.features:choose_online", tr, Path(target))
+    settings = {**config.settings, "train": replace(tr, online=online)}
+    if online:
+        settings["capture"] = None
+    note = (f"{'online' if online else 'offline'} ({why})"
+            + ("; no capture stage: the target computes the states batch by batch" if online else ""))
+    return dataclasses.replace(config, settings=settings), note
 
 
 def _export(ctx: StageContext) -> Any:

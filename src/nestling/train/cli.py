@@ -1,4 +1,5 @@
-"""`nestling train CAPTURE_DIR --out DIR [--epochs E | --steps N] [--ttt-steps 7]`."""
+"""`nestling train CAPTURE_DIR --out DIR [--epochs E | --steps N] [--ttt-steps 7]`, or online:
+`nestling train DATA_DIR --online --target MODEL --out DIR` (the target runs in the loop, nothing is stored)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train", help="train an EAGLE-3 draft on captured hidden states",
         description=(
-            "Train an EAGLE-3 draft with training-time test (TTT) on a capture folder.\n"
+            "Train an EAGLE-3 draft with training-time test (TTT) on a capture folder, or online on a data\n"
+            "folder (--online --target MODEL: the target computes the states batch by batch, nothing is stored).\n"
             "Writes draft_config.json, vocab.safetensors, checkpoints/, model.safetensors, metrics.jsonl,\n"
             "plot.png and manifest.json (last) to --out. Scale out with torchrun --nproc-per-node N -m nestling train ...\n"
             "Any setting of TrainSettings can be given as key=value (e.g. lr=3e-4 batch_tokens=8192)."),
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("capture_dir", type=Path, help="output folder of `nestling capture`")
+    p.add_argument("capture_dir", type=Path, metavar="DIR",
+                   help="output folder of `nestling capture` (offline) or of `nestling data` (with --online)")
+    p.add_argument("--online", action="store_true", default=None,
+                   help="DIR is a data folder: run the target on the training device for every batch")
+    p.add_argument("--target", help="the target model folder (online: required unless the data manifest names it)")
     p.add_argument("--out", type=Path, required=True, help="training folder to write")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--epochs", type=float, help="passes over the training split (default 1)")
@@ -35,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from nestling.train.settings import TrainSettings
 
     s = load_settings(TrainSettings, args.config, args.overrides, epochs=args.epochs, steps=args.steps,
-                      ttt_steps=args.ttt_steps)
+                      ttt_steps=args.ttt_steps, online=args.online, target=args.target)
     resume = False if args.resume is None else (True if args.resume == "latest" else args.resume)
     m = train(args.capture_dir, args.out, s, resume=resume)
     import os

@@ -53,16 +53,19 @@ def pack(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
 
 
 def collate(items: list[dict], budget: int, pad_to: int | None = None) -> PackedBatch:
-    """Concatenate samples (each cut to `budget`) into one row; padding is one extra doc."""
+    """Concatenate samples (each cut to `budget`) into one row; padding is one extra doc. Items
+    without states (online training: token ids only) give a batch whose aux and final are None."""
     ids, mask, doc, pos, aux, final = [], [], [], [], [], []
+    states = "aux" in items[0]
     for d, it in enumerate(items):
         n = min(len(it["input_ids"]), budget)
         ids.append(it["input_ids"][:n])
         mask.append(it["loss_mask"][:n])
         doc.append(torch.full((n,), d, dtype=torch.long))
         pos.append(torch.arange(n))
-        aux.append(it["aux"][:n])
-        final.append(it["final"][:n])
+        if states:
+            aux.append(it["aux"][:n])
+            final.append(it["final"][:n])
     real = sum(len(x) for x in ids)
     pad = max(0, (pad_to or 0) - real)
     if pad:
@@ -70,10 +73,11 @@ def collate(items: list[dict], budget: int, pad_to: int | None = None) -> Packed
         mask.append(torch.zeros(pad, dtype=torch.bool))
         doc.append(torch.full((pad,), len(items), dtype=torch.long))
         pos.append(torch.arange(pad))
-        aux.append(aux[0].new_zeros(pad, aux[0].shape[1]))
-        final.append(final[0].new_zeros(pad, final[0].shape[1]))
-    return PackedBatch(torch.cat(ids)[None], torch.cat(mask)[None], torch.cat(doc)[None], torch.cat(pos)[None],
-                       torch.cat(aux)[None], torch.cat(final)[None], num_tokens=real)
+        if states:
+            aux.append(aux[0].new_zeros(pad, aux[0].shape[1]))
+            final.append(final[0].new_zeros(pad, final[0].shape[1]))
+    cat = lambda xs: torch.cat(xs)[None] if xs else None  # noqa: E731
+    return PackedBatch(cat(ids), cat(mask), cat(doc), cat(pos), cat(aux), cat(final), num_tokens=real)
 
 
 @dataclass

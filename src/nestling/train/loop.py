@@ -26,14 +26,15 @@ from nestling.manifest import MANIFEST, hash_bytes, hash_json, read_manifest, wr
 from nestling.progress import Progress, log
 from nestling.target.load import load_config, resolve_target, target_fingerprint
 from nestling.train import checkpoint as ckpt
-from nestling.train import dist
-from nestling.train.data import Prefetcher, Stream, capture_dataset, collate, read_index
+from nestling.train import dist, features
+from nestling.train.data import Prefetcher, Stream, collate, read_index
 from nestling.train.head import read_head, teacher_rows
 from nestling.train.loss import simulated_acceptance_length, supervised_counts, teacher, ttt_loss
 from nestling.train.metrics import MetricsLog, plot
 from nestling.train.noise import add_uniform_noise, microbatch_seed
 from nestling.train.optim import build_optimizer
 from nestling.train.settings import TrainSettings, resolve_lr
+from nestling.train.timing import Stopwatch
 from nestling.train.ttt import PackedBatch, attention_backend, ttt_hidden
 
 
@@ -75,6 +76,7 @@ class Inputs:
     final_state: str
     train_index: list[dict]
     heldout_index: list[dict]
+    online: features.OnlineData | None = None  # set when the target runs in the loop (capture_dir = data dir)
 
 
 def check_inputs(capture_dir: Path, s: TrainSettings) -> Inputs:
@@ -134,6 +136,9 @@ def check_inputs(capture_dir: Path, s: TrainSettings) -> Inputs:
 def supervised_token_counts(inp: Inputs, vocab_size: int) -> torch.Tensor:
     """Histogram of the supervised (loss_mask) tokens of the training split, read shard by shard."""
     from safetensors import safe_open
+
+    if inp.online is not None:
+        return count_tokens(features.supervised_ids(inp), vocab_size)
 
     def batches():
         for shard in sorted({e["shard"] for e in inp.train_index}):
@@ -202,16 +207,16 @@ def _amp(device: torch.device, s: TrainSettings) -> torch.dtype:
 
 
 def _config_key(cfg: DraftConfig, d2t: torch.Tensor, inp: Inputs, s: TrainSettings, total: int, world: int,
-                lr: float) -> str:
+                device: torch.device, lr: float) -> str:
     """What decides the trajectory; a checkpoint resumes only under the same key (`lr`: the one used,
     given or derived)."""
     traj = {k: v for k, v in {**to_dict(s), "lr": lr}.items() if k not in (
         "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches", "log_every", "progress_interval",
         "device", "attention", "compile", "parallel", "teacher_chunk", "target", "vocab", "grad_accum", "steps",
-        "epochs")}
+        "epochs", "online", "target_dtype")}
     return hash_json({"draft": asdict(cfg), "vocab": hash_bytes(d2t.numpy().tobytes()), "target": inp.target_fp,
                       "capture": hash_json(inp.manifest), "settings": traj, "total_steps": total,
-                      "global_microbatches": world * s.grad_accum})
+                      "global_microbatches": world * s.grad_accum, **features.key_extra(inp, s, device)})
 
 
 # ---- the loop ----------------------------------------------------------------------------------------
@@ -238,7 +243,8 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
         raise NestlingError("ttt_steps and grad_accum must be >= 1 and batch_tokens >= 4")
     if s.intermediate_size < 0:
         raise NestlingError(f"intermediate_size must be 0 (the target's) or positive, got {s.intermediate_size}")
-    inp = check_inputs(capture_dir, s)
+    features.check_mode(capture_dir, features.is_online(s))
+    inp = features.online_inputs(capture_dir, s) if features.is_online(s) else check_inputs(capture_dir, s)
     text = getattr(inp.hf_config, "text_config", None) or inp.hf_config
     V, H = int(text.vocab_size), int(text.hidden_size)
     d2t, t2d = make_vocab(inp, s, out, V)
@@ -250,7 +256,7 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
     train_stream = Stream([e["length"] for e in inp.train_index], s.batch_tokens, s.seed)
     total = s.steps if s.steps is not None else max(1, math.ceil(s.epochs * train_stream.per_epoch() / G))
     lr, lr_why = resolve_lr(s, H, total)
-    key = _config_key(cfg, d2t, inp, s, total, d.world, lr)
+    key = _config_key(cfg, d2t, inp, s, total, d.world, device, lr)
 
     if (out / MANIFEST).exists():
         old = read_manifest(out, "train")
@@ -309,8 +315,10 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
         if not (out / "vocab.safetensors").exists():
             save_vocab(out / "vocab.safetensors", d2t, t2d)
     metrics = MetricsLog(out, d.main, truncate_after=step)
-    train_ds = capture_dataset(capture_dir, "train")
-    held_ds = capture_dataset(capture_dir, "heldout") if inp.heldout_index else None
+    train_ds = features.dataset(inp, "train")
+    held_ds = features.dataset(inp, "heldout") if inp.heldout_index else None
+    target_fwd = features.target_states(inp, s, device)  # online: the target, run right before each draft step
+    target_sw, draft_sw = Stopwatch(device), Stopwatch(device)
     held_stream = Stream([e["length"] for e in inp.heldout_index], s.batch_tokens, s.seed, shuffle=False)
     pad = s.batch_tokens if (s.pad_to_budget if s.pad_to_budget is not None else device.type == "cuda") else None
     K = s.ttt_steps
@@ -318,7 +326,10 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
     def load(mb: list[int], ds) -> PackedBatch:
         return collate([ds[i] for i in mb], s.batch_tokens, pad)
 
-    def prepare(b: PackedBatch):
+    def prepare(b: PackedBatch, sw: Stopwatch | None = None):
+        if target_fwd is not None:
+            with sw or contextlib.nullcontext():
+                b = target_fwd.fill(b)
         b = b.to(device, amp)
         final = b.final
         if norm_w is not None:
@@ -380,26 +391,32 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
     def noise_seed(microbatch: int) -> int | None:  # None without noise: nothing changes per call (compile)
         return microbatch_seed(s.seed, microbatch) if s.hidden_noise > 0 else None
 
+    def step_times() -> dict:
+        """This interval's seconds in the target forward (online) and in the draft's steps."""
+        t_s, d_s = target_sw.take(), draft_sw.take()
+        return {"draft_s": d_s, **({"target_s": t_s, "target_share": t_s / max(t_s + d_s, 1e-9)} if target_fwd else {})}
+
     prefetch = Prefetcher(load_step, step, total)
     while step < total:
         batches = prefetch.get()
         denom = dist.all_sum(sum(supervised_counts(b, K) for b in batches), d)
         tokens = int(dist.all_sum(torch.tensor([float(sum(b.num_tokens for b in batches))]), d))
         for a, cpu_batch in enumerate(batches):
-            b, t = prepare(cpu_batch)
+            b, t = prepare(cpu_batch, target_sw)
             last = a == s.grad_accum - 1
             sync = contextlib.nullcontext()
             if d.enabled and s.parallel == "ddp" and not last:
                 sync = model.no_sync()
             elif d.enabled and s.parallel == "fsdp":
                 model.set_requires_gradient_sync(last)
-            with sync:
+            with sync, draft_sw:
                 with autocast():
                     loss, sums, correct, count = fwd(b, t, denom, noise_seed(step * G + a * d.world + d.rank))
                 (loss * d.world).backward()
             interval += torch.stack([sums, correct, count])
-        gnorm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip) if s.grad_clip > 0 else None
-        optimizer.step()  # and the lr schedule
+        with draft_sw:
+            gnorm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip) if s.grad_clip > 0 else None
+            optimizer.step()  # and the lr schedule
         optimizer.zero_grad(set_to_none=True)
         step += 1
         interval_tokens += tokens
@@ -412,12 +429,13 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
                    "loss": sum(s.ttt_decay ** j * l for j, l in enumerate(loss_j)),
                    **{f"loss_{j}": v for j, v in enumerate(loss_j)}, **{f"acc_{j}": v for j, v in enumerate(acc_j)},
                    "grad_norm": float(gnorm) if gnorm is not None else None,
-                   "tokens_per_s": interval_tokens / max(now - t_last, 1e-9)}
+                   "tokens_per_s": interval_tokens / max(now - t_last, 1e-9), **step_times()}
             metrics.write(rec)
             interval.zero_()
             interval_tokens, t_last = 0, now
             if prog:
-                prog.extra.update(step=step, loss=rec["loss"], acc_0=acc_j[0])
+                prog.extra.update(step=step, loss=rec["loss"], acc_0=acc_j[0],
+                                  **({"target_share": round(rec["target_share"], 3)} if target_fwd else {}))
         if prog:
             prog.update(1, tokens=tokens)
         if (s.eval_every > 0 and step % s.eval_every == 0) or step == total:
@@ -430,6 +448,8 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
         if step % s.checkpoint_every == 0 or step == total:
             save_checkpoint(step)
     prefetch.close()
+    if target_fwd is not None:
+        target_fwd.close()
     if prog:
         prog.close()
 
@@ -444,12 +464,13 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
         metrics.close()
         plot(out / "metrics.jsonl", out / "plot.png")
         last_eval = metrics.last("heldout")
+        extra = features.manifest_extra(inp, s, device)
         manifest = write_manifest(
             out, "train", to_dict(s),
-            {"capture": hash_json(inp.manifest), "target": inp.target_fp},
+            {**extra.pop("inputs"), "target": inp.target_fp},
             config_key=key, lr=lr, lr_reason=lr_why, target=str(inp.target), target_fingerprint=inp.target_fp,
-            aux_layer_ids=inp.aux_layer_ids, layer_ids=inp.manifest.get("layer_ids"),
-            capture_dir=str(capture_dir.resolve()), draft_config=asdict(cfg), steps=total,
+            aux_layer_ids=inp.aux_layer_ids, layer_ids=inp.online.layer_ids if inp.online else inp.manifest.get("layer_ids"),
+            **extra, draft_config=asdict(cfg), steps=total,
             world_size=d.world, final_eval=last_eval, final_train=metrics.last("train"))
     dist.barrier(d)
     return manifest if d.main else read_manifest(out, "train")

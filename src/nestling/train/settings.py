@@ -21,6 +21,10 @@ class TrainSettings:
     lm_head_init: Literal["target", "random"] = "target"
     freeze_lm_head: bool = False  # keep lm_head at the target's rows (not trained, not in the optimizer)
     intermediate_size: int = 0  # the draft layer's MLP width; 0 = the target's (engines read it from config.json)
+    # online: run the target batch by batch on the training device (DIR = the data stage's folder)
+    # instead of reading a capture; auto = decided by `nestling run` (docs/train.md), an error in `nestling train`
+    online: bool | Literal["auto"] = "auto"
+    target_dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # online target; auto = capture's rule
 
     # how long
     epochs: float = 1.0
