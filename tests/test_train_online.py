@@ -230,3 +230,25 @@ def test_pipeline_auto_picks_a_mode_and_says_why(tiny_target, sharegpt_path, tmp
     assert json.loads((scratch / "train" / "manifest.json").read_text())["online"] is True
     report = json.loads((scratch / "estimate.json").read_text())
     assert [s["stage"] for s in report["stages"]] == ["data", "train", "export", "eval"]
+
+
+def test_online_heldout_data_replaces_the_heldout_split(data, target, tmp_path, capsys):
+    """heldout_data: the evaluation runs over every sample of another data folder (here the same
+    folder, so train + heldout), not the training folder's held-out split; it does not change training."""
+    from nestling.train import features
+    from nestling.train.settings import TrainSettings
+
+    own, other = tmp_path / "own", tmp_path / "other"
+    args = ["--online", "--target", str(target), "--steps", "2", *ARGS, "eval_batches=1000"]
+    assert main(["train", str(data), "--out", str(own), *args]) == 0
+    assert main(["train", str(data), "--out", str(other), *args, f"heldout_data={data}"]) == 0
+    ev_own, ev_other = (next(r for r in reversed(_records(o)) if r["split"] == "heldout") for o in (own, other))
+    inp = features.online_inputs(data, TrainSettings(online=True, target=str(target), heldout_data=str(data)))
+    assert len(inp.heldout_index) == 12 + 4  # every sample of the folder
+    assert ev_other["tokens"] > ev_own["tokens"] > 0
+    trains = [[(r["step"], r["loss"]) for r in _records(o) if r["split"] == "train"] for o in (own, other)]
+    assert trains[0] == trains[1]
+    capsys.readouterr()
+    assert main(["train", str(data), "--out", str(tmp_path / "off"), "--steps", "2", *ARGS,
+                 f"heldout_data={data}"]) == 1  # offline: refused with a message
+    assert "online" in capsys.readouterr().err

@@ -157,11 +157,32 @@ def online_inputs(data_dir: Path, s: "TrainSettings") -> "Inputs":
     layer_ids = validate_layer_ids(aux + [L], L)
     max_pos = getattr(text, "max_position_embeddings", None)
     splits = {sp: read_split(data_dir, sp, int(text.vocab_size), max_pos) for sp in SPLITS if split_files(data_dir, sp)}
+    if s.heldout_data:
+        splits["heldout"] = heldout_split(Path(s.heldout_data), target, int(text.vocab_size), max_pos)
     if not len(splits.get("train", ())):
         raise NestlingError(f"{data_dir} holds no training samples; check the data stage's output")
     index = {sp: [{"sample_id": i, "length": n} for i, n in zip(ts.sample_ids, ts.lengths())] for sp, ts in splits.items()}
     return Inputs(data_dir, m, target, target_fingerprint(target), cfg, aux, "post_norm", index["train"],
                   index.get("heldout", []), online=OnlineData(data_dir, layer_ids, splits))
+
+
+def heldout_split(data_dir: Path, target: Path, vocab_size: int, max_pos: int | None) -> TokenSplit:
+    """Every sample of another data folder as the held-out set, e.g. the target's own answers to
+    held-out prompts: acceptance follows accuracy on the text the draft will meet when serving."""
+    from nestling.capture.run import check_data_tokenizer
+    from nestling.data.dataset import SPLITS, split_files
+    from nestling.target.load import load_tokenizer, tokenizer_fingerprint
+
+    m = read_manifest(data_dir, "data")
+    if (m.get("inputs") or {}).get("tokenizer"):
+        check_data_tokenizer(data_dir, m, tokenizer_fingerprint(load_tokenizer(target)))
+    parts = [read_split(data_dir, sp, vocab_size, max_pos) for sp in SPLITS if split_files(data_dir, sp)]
+    if not parts or not sum(len(p) for p in parts):
+        raise NestlingError(f"heldout_data {data_dir} holds no samples; check the data stage's output")
+    ids = torch.cat([p.ids for p in parts])
+    starts = torch.cat([torch.zeros(1, dtype=torch.long)] + [p.starts[1:] + off for p, off in
+                       zip(parts, torch.tensor([0] + [int(p.starts[-1]) for p in parts]).cumsum(0).tolist())])
+    return TokenSplit([i for p in parts for i in p.sample_ids], ids, torch.cat([p.mask for p in parts]), starts)
 
 
 def supervised_ids(inp: "Inputs"):

@@ -213,7 +213,7 @@ def _config_key(cfg: DraftConfig, d2t: torch.Tensor, inp: Inputs, s: TrainSettin
     traj = {k: v for k, v in {**to_dict(s), "lr": lr}.items() if k not in (
         "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches", "log_every", "progress_interval",
         "device", "attention", "compile", "parallel", "teacher_chunk", "target", "vocab", "grad_accum", "steps",
-        "epochs", "online", "target_dtype")}
+        "epochs", "online", "target_dtype", "heldout_data")}
     return hash_json({"draft": asdict(cfg), "vocab": hash_bytes(d2t.numpy().tobytes()), "target": inp.target_fp,
                       "capture": hash_json(inp.manifest), "settings": traj, "total_steps": total,
                       "global_microbatches": world * s.grad_accum, **features.key_extra(inp, s, device)})
@@ -244,6 +244,9 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
     if s.intermediate_size < 0:
         raise NestlingError(f"intermediate_size must be 0 (the target's) or positive, got {s.intermediate_size}")
     features.check_mode(capture_dir, features.is_online(s))
+    if s.heldout_data and not features.is_online(s):
+        raise NestlingError("heldout_data is an online option (a data folder the target runs over); offline, "
+                            "evaluation uses the capture's held-out split")
     inp = features.online_inputs(capture_dir, s) if features.is_online(s) else check_inputs(capture_dir, s)
     text = getattr(inp.hf_config, "text_config", None) or inp.hf_config
     V, H = int(text.vocab_size), int(text.hidden_size)

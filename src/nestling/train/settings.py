@@ -25,6 +25,7 @@ class TrainSettings:
     # instead of reading a capture; auto = decided by `nestling run` (docs/train.md), an error in `nestling train`
     online: bool | Literal["auto"] = "auto"
     target_dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # online target; auto = capture's rule
+    heldout_data: str | None = None  # online: evaluate on this data folder (all its samples) instead of DIR's held-out split
 
     # how long
     epochs: float = 1.0
