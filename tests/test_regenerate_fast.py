@@ -23,6 +23,16 @@ from nestling.regenerate.hf_engine import HFEngine, fast_groups
 SRC = str(Path(nestling.__file__).resolve().parents[1])
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: on a shared, busy CPU, two threads stall each small multi-row matmul
+    (measured here: 16 ms against 0.03 ms for a [3, 128] x [128, 256] linear)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _reference(model, req: Request, eos: list[int]) -> list[int]:
     """Plain greedy `generate` on one unpadded prompt, cut after the first end-of-answer token."""
     with torch.inference_mode():
@@ -150,7 +160,7 @@ def test_kill_9_then_resume_equals_uninterrupted(uninterrupted, conversations, t
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "nestling", "regenerate", str(conversations), "--target", str(tiny_target("llama")),
            "--out", str(out), *ARGS]
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     state = out / "state.json"
     deadline = time.monotonic() + 300
