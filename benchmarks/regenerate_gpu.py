@@ -76,7 +76,7 @@ def random_model(a):
 def shape_run(a) -> dict:
     import torch
 
-    from nestling.regenerate.decode import Decoder, Job, Sampling, window_for
+    from nestling.regenerate.decode import Decoder, Job, Sampling, cache_length
     from nestling.regenerate.hf_engine import fast_limits, kv_bytes_per_token
     from nestling.regenerate.settings import RegenerateSettings
 
@@ -90,7 +90,7 @@ def shape_run(a) -> dict:
     lens = torch.randint(a.prompt_min, a.prompt_max + 1, (a.requests,), generator=g).tolist()
     jobs = [Job(torch.randint(10, cfg.vocab_size, (n,), generator=g).tolist(), a.max_new_tokens, i)
             for i, n in enumerate(lens)]
-    length = window_for(max(lens) + a.max_new_tokens, 1 << 30)
+    length = cache_length(max(lens) + a.max_new_tokens)
     slots = max(1, min(slots, cache_tokens // length, a.requests))
     dec = Decoder(model, [], 0, Sampling(a.temperature), slots, length, a.max_new_tokens, 16 if on_cuda else 4, on_cuda)
     t0 = time.monotonic()

@@ -41,11 +41,18 @@ class Sampling:
 
 
 def window_for(need: int, length: int) -> int:
-    """The attention window covering positions < need: a power of two times WINDOW_STEP, at most length."""
+    """The attention window covering positions < need: a multiple of WINDOW_STEP, at most length.
+    A step reads the keys and values of the whole window, so it is kept tight."""
+    return min(-(-need // WINDOW_STEP) * WINDOW_STEP, length)
+
+
+def cache_length(need: int) -> int:
+    """A cache length of at least `need`: a power of two times WINDOW_STEP, so that calls with
+    similar needs reuse one cache (and its CUDA graphs)."""
     w = WINDOW_STEP
     while w < need:
         w *= 2
-    return min(w, length)
+    return w
 
 
 class Slots:
@@ -137,8 +144,9 @@ class Decoder:
         s, sp = self.state, self.sampling
         start = 0
         while start < len(jobs):
-            end = start + 1
-            while end < len(jobs) and (end + 1 - start) * max(len(j.prompt) for j in jobs[start:end + 1]) <= prefill_tokens:
+            end, width = start + 1, len(jobs[start].prompt)
+            while end < len(jobs) and (end + 1 - start) * max(width, len(jobs[end].prompt)) <= prefill_tokens:
+                width = max(width, len(jobs[end].prompt))
                 end += 1
             part, where = jobs[start:end], slots[start:end]
             logits = self.sm.prefill([j.prompt for j in part], where, self.pad)

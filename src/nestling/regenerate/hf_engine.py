@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from nestling.progress import log
-from nestling.regenerate.decode import WINDOW_STEP, Decoder, Job, Sampling, window_for
+from nestling.regenerate.decode import WINDOW_STEP, Decoder, Job, Sampling, cache_length
 from nestling.regenerate.engine import Completion, Request
 from nestling.regenerate.settings import RegenerateSettings
 
@@ -84,7 +84,7 @@ def fast_groups(needs: list[int], slots: int, cache_tokens: int) -> list[tuple[l
     out = []
     for idx in parts:
         if idx:
-            length = window_for(max(needs[i] for i in idx), 1 << 30)
+            length = cache_length(max(needs[i] for i in idx))
             n = max(1, min(len(idx), slots, cache_tokens // length))
             out.append((idx, n, length))
     return out
