@@ -18,7 +18,7 @@ import torch
 import nestling
 from nestling.regenerate import RegenerateSettings, regenerate
 from nestling.regenerate.engine import Request
-from nestling.regenerate.hf_engine import HFEngine, fast_groups
+from nestling.regenerate.hf_engine import HFEngine, fast_groups, fast_limits
 
 SRC = str(Path(nestling.__file__).resolve().parents[1])
 
@@ -94,6 +94,11 @@ def test_fast_groups_fit_the_cache():
     (short, n1, len1), (long, n2, len2) = groups
     assert short == [0, 1, 3] and n1 == 3 and len1 == 512
     assert long == [2, 4] and len2 == 16384 and n2 == 1  # too long for the cache at 4 slots: one slot
+    kv = 2 * 30 * 3 * 64 * 2  # SmolLM2 in bf16
+    slots, tokens = fast_limits(RegenerateSettings(), True, kv, 130 * 10**9)  # an idle H200 after the weights
+    assert slots == 1024 and 3_000_000 < tokens < 3_200_000  # 55% of the free memory
+    assert fast_limits(RegenerateSettings(), False, kv, 0) == (8, 262144)
+    assert fast_limits(RegenerateSettings(hf_batch_size=5, hf_batch_tokens=77), True, kv, 10**11) == (5, 77)
 
 
 def test_unsupported_target_falls_back_to_generate_with_a_log_line(tiny_target, capsys):

@@ -24,7 +24,7 @@ from nestling.config import to_dict
 from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, atomic_write_json, hash_file, hash_json, write_manifest
 from nestling.progress import Progress, log
-from nestling.regenerate.chat import assistant_positions, plan, postprocess, render_prompt
+from nestling.regenerate.chat import assistant_positions, plan, postprocess, render_prompts
 from nestling.regenerate.engine import Engine, Request, make_engine, resolve_engine
 from nestling.regenerate.readers import Record, read_records
 from nestling.regenerate.settings import OUTPUT_FIELDS, RegenerateSettings
@@ -87,11 +87,9 @@ def run_chunk(records: list[Record], engine: Engine, tokenizer, s: RegenerateSet
         convs.append(Conv(rec, msgs, assistant_positions(msgs), k))
     for turn in range(max((len(c.positions) for c in convs), default=0)):
         batch: list[tuple[Conv, Request]] = []
-        for c in convs:
-            if c.failed or turn >= len(c.positions):
-                continue
-            pos = c.positions[turn]
-            ids = render_prompt(tokenizer, c.messages[:pos], s.reasoning)
+        due = [c for c in convs if not c.failed and turn < len(c.positions)]
+        prompts = render_prompts(tokenizer, [c.messages[:c.positions[turn]] for c in due], s.reasoning)
+        for c, ids in zip(due, prompts):
             if len(ids) >= max_len:
                 c.failed = ("context_overflow", f"assistant turn {turn}: prompt is {len(ids)} tokens, "
                                                 f"max_model_len is {max_len}")
