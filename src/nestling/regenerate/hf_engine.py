@@ -78,14 +78,16 @@ def fast_limits(s: RegenerateSettings, on_cuda: bool, kv_bytes: int, free_bytes:
 
 def fast_groups(needs: list[int], slots: int, cache_tokens: int) -> list[tuple[list[int], int, int]]:
     """Requests split into at most two runs, (indices, slots, cache length) each: those that fit the
-    cache at full slot count, then the longer ones with fewer slots (the cache is slots x length)."""
+    cache at full slot count, then the longer ones with fewer slots (the cache is slots x length).
+    Slots and lengths are powers of two, so successive calls (turns) mostly reuse one decoder and
+    its CUDA graphs instead of capturing new ones."""
     short_len = max(WINDOW_STEP, cache_tokens // max(1, slots) // WINDOW_STEP * WINDOW_STEP)
     parts = [[i for i, n in enumerate(needs) if n <= short_len], [i for i, n in enumerate(needs) if n > short_len]]
     out = []
     for idx in parts:
         if idx:
             length = cache_length(max(needs[i] for i in idx))
-            n = max(1, min(len(idx), slots, cache_tokens // length))
+            n = max(1, min(1 << (len(idx) - 1).bit_length(), slots, cache_tokens // length))
             out.append((idx, n, length))
     return out
 
