@@ -109,17 +109,22 @@ class Decoder:
         g = self.graphs.get(window)
         if g is None:
             saved = self.state.snapshot()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
+            side, main = torch.cuda.Stream(), torch.cuda.current_stream()
+            self.pool = self.pool or torch.cuda.graph_pool_handle()  # one pool: graphs replay one at a time
+            g = torch.cuda.CUDAGraph()
+            side.wait_stream(main)
             with torch.cuda.stream(side):
                 self._step(window)  # warm-up outside the graph (lazy inits, workspace allocation)
-            torch.cuda.current_stream().wait_stream(side)
-            self.state.restore(saved)
-            self.pool = self.pool or torch.cuda.graph_pool_handle()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                self._step(window)
-            self.state.restore(saved)  # capture does not run kernels, but be exact
+                self.state.restore(saved)
+                # capture_begin/end rather than torch.cuda.graph(), which collects garbage and empties
+                # the allocator cache on every capture (slow with a large run's objects alive)
+                g.capture_begin(pool=self.pool)
+                try:
+                    self._step(window)
+                finally:
+                    g.capture_end()
+                self.state.restore(saved)  # capture does not run kernels, but be exact
+            main.wait_stream(side)
             self.graphs[window] = g
         return g
 
