@@ -14,6 +14,7 @@ A request's output depends only on its prompt, its limit and its seed: greedy de
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from nestling.regenerate.sampling import pick_tokens
 from nestling.regenerate.static_model import StaticModel
 
 WINDOW_STEP = 256  # attention windows are multiples of this (one CUDA graph each)
+LOG_EVERY_S = 60.0  # a long call (a turn of a big chunk) says how far it is
 
 
 @dataclass
@@ -173,6 +175,8 @@ class Decoder:
         waiting = deque(sorted(range(len(jobs)), key=lambda i: len(jobs[i].prompt)))  # similar lengths together
         owner: dict[int, int] = {}  # slot -> job index
         free = list(range(self.sm.slots))
+        start = last_log = time.monotonic()
+        tokens = 0
         while waiting or owner:
             if waiting and free:
                 take = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
@@ -191,5 +195,10 @@ class Decoder:
                 rows = s.out[torch.tensor(done, device=s.out.device)].tolist()
                 for b, row in zip(done, rows):
                     results[owner.pop(b)] = row[: count[b]]
+                    tokens += count[b]
                     free.append(b)
+            if time.monotonic() - last_log > LOG_EVERY_S:
+                last_log = time.monotonic()
+                log(f"[regenerate] hf engine: {len(jobs) - len(waiting) - len(owner)}/{len(jobs)} answers, "
+                    f"{tokens / (last_log - start):.0f} tok/s ({len(owner)} in {self.sm.slots} slots)")
         return results  # type: ignore[return-value]
