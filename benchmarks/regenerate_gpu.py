@@ -6,7 +6,7 @@ is one engine call that keeps all slots busy), and reports output tok/s (generat
 the manifest), wall time (with loading and prompt rendering), turns, tokens and cap hits:
 
     PYTHONPATH=src python benchmarks/regenerate_gpu.py --sharegpt ShareGPT_V3_unfiltered_cleaned_split.json \\
-        --target ./SmolLM2-135M-Instruct --max-new-tokens 512 --json regen_gpu.json
+        --target ./SmolLM2-135M-Instruct --json regen_gpu.json
 
 Shape mode (`--shape llama8b`): random weights of a Llama-3-8B shape (hidden 4096, 32 layers, 32
 heads, 8 KV heads, MLP 14336, vocab 128256) in bf16, random prompts, no end token (every answer
@@ -92,7 +92,8 @@ def shape_run(a) -> dict:
             for i, n in enumerate(lens)]
     length = cache_length(max(lens) + a.max_new_tokens)
     slots = max(1, min(slots, cache_tokens // length, a.requests))
-    dec = Decoder(model, [], 0, Sampling(a.temperature), slots, length, a.max_new_tokens, 16 if on_cuda else 4, on_cuda)
+    dec = Decoder(model, [], 0, Sampling(a.temperature), slots, length, a.max_new_tokens, 16 if on_cuda else 4,
+                  on_cuda and not a.eager)
     t0 = time.monotonic()
     with torch.inference_mode():
         out = dec.run(jobs, 65536 if on_cuda else 8192)
@@ -114,7 +115,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), help="random-weight throughput mode instead of ShareGPT")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--max-new-tokens", type=int, default=384, help="cap per answer (384: the quality benchmark's)")
     ap.add_argument("--max-turns", type=int, default=0, help="0 = every assistant turn")
     ap.add_argument("--limit", type=int, default=0, help="0 = every conversation")
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -127,6 +128,7 @@ def main() -> None:
     ap.add_argument("--prompt-max", type=int, default=512)
     ap.add_argument("--layers", type=int, default=0, help="shape mode: fewer layers (smoke tests)")
     ap.add_argument("--hidden", type=int, default=0, help="shape mode: narrower model (smoke tests; a multiple of 128)")
+    ap.add_argument("--eager", action="store_true", help="shape mode: no CUDA graphs (to see what they buy)")
     ap.add_argument("--json", type=Path, help="write the result here")
     a = ap.parse_args()
     res = shape_run(a) if a.shape else sharegpt_run(a)
