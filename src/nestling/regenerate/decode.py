@@ -85,7 +85,9 @@ class Decoder:
         self.state = Slots(slots, max_new, dev)
         self.eos = torch.tensor(eos or [-1], device=dev)
         self.pad, self.sampling, self.sync_every = pad, sampling, sync_every
-        self.use_graphs = graphs
+        self.use_graphs = graphs and dev.type == "cuda"
+        if self.use_graphs:
+            torch.cuda.set_device(dev)  # streams and graphs belong to the current device
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
