@@ -81,7 +81,8 @@ def fast_groups(needs: list[int], slots: int, cache_tokens: int) -> list[tuple[l
     cache at full slot count, then the longer ones with fewer slots (the cache is slots x length).
     Slots and lengths are powers of two, so successive calls (turns) mostly reuse one decoder and
     its CUDA graphs instead of capturing new ones."""
-    short_len = max(WINDOW_STEP, cache_tokens // max(1, slots) // WINDOW_STEP * WINDOW_STEP)
+    short_len = cache_length(max(1, cache_tokens // max(1, slots)) + 1) // 2  # a cache length (power of two) that fits
+    short_len = max(WINDOW_STEP, short_len)
     parts = [[i for i, n in enumerate(needs) if n <= short_len], [i for i, n in enumerate(needs) if n > short_len]]
     out = []
     for idx in parts:
