@@ -35,9 +35,17 @@ def template_kwargs(reasoning: str) -> dict[str, Any]:
 
 def render_prompt(tokenizer, history: list[dict], reasoning: str = "keep") -> list[int]:
     """Token ids of `history` followed by the assistant generation prompt, via the target's template."""
-    text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True,
-                                         **template_kwargs(reasoning))
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return render_prompts(tokenizer, [history], reasoning)[0]
+
+
+def render_prompts(tokenizer, histories: list[list[dict]], reasoning: str = "keep") -> list[list[int]]:
+    """`render_prompt` of many histories, tokenized in one call (fast tokenizers batch in parallel,
+    which matters when a turn of a large chunk renders tens of thousands of prompts)."""
+    if not histories:
+        return []
+    texts = [tokenizer.apply_chat_template(h, tokenize=False, add_generation_prompt=True, **template_kwargs(reasoning))
+             for h in histories]
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
 def postprocess(text: str, reasoning: str) -> str:

@@ -37,6 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, help="sampling temperature (default 0 = greedy)")
     p.add_argument("--top-p", type=float, help="nucleus sampling (default 1.0 = off)")
     p.add_argument("--top-k", type=int, help="top-k sampling (default 0 = off)")
+    p.add_argument("--n", type=int, help="answers per conversation (default 1); n > 1 writes n sampled rows per "
+                                          "conversation (needs --temperature > 0), seeded so a rerun repeats them")
     p.add_argument("--max-new-tokens", type=int, help="longest answer per assistant turn (default 1024)")
     p.add_argument("--max-model-len", type=int,
                    help="prompt + answer limit in tokens; longer prompts fail as context_overflow "
@@ -57,7 +59,7 @@ def _run(args: argparse.Namespace) -> int:
     from nestling.regenerate.run import regenerate
 
     s = load_settings(RegenerateSettings, args.config, args.overrides, engine=args.engine, urls=args.urls,
-                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                      temperature=args.temperature, n=args.n, top_p=args.top_p, top_k=args.top_k,
                       max_new_tokens=args.max_new_tokens, max_model_len=args.max_model_len,
                       reasoning=args.reasoning, max_turns=args.max_turns, limit=args.limit,
                       dtype=args.dtype, device=args.device)

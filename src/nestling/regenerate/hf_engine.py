@@ -1,15 +1,18 @@
-"""transformers `generate`: the embedded fallback (no vLLM, no server), batched with left padding.
+"""The transformers engine (no vLLM, no server): a fast static-cache decode loop, or `generate`.
 
-Greedy output equals the target's own greedy decode of the same prompt. With sampling, each
-batch is seeded from its first request, so sampled output depends on how requests are batched.
-transformers' own continuous batching (`generate_batch`) was measured and is slower: on an H200 at
-256 requests, 1.1k tok/s against 2.5k for padded `generate` (docs/regenerate.md).
+Fast path (`hf_fast`, default): `decode.Decoder`, B slots over a static KV cache with continuous
+refill and CUDA-graph steps on a GPU; greedy output equals `generate(do_sample=False)`, sampling is
+seeded per request (repeatable, independent of batching). Models it cannot run (not Llama-family)
+use the old path, with a log line: `generate` on left-padded, length-sorted batches, where sampled
+output is seeded per batch and so depends on batching.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from nestling.progress import log
+from nestling.regenerate.decode import WINDOW_STEP, Decoder, Job, Sampling, cache_length
 from nestling.regenerate.engine import Completion, Request
 from nestling.regenerate.settings import RegenerateSettings
 
@@ -60,6 +63,36 @@ def batch_limits(s: RegenerateSettings, on_cuda: bool, kv_bytes: int, free_bytes
     return size, tokens
 
 
+FAST_CACHE_SHARE = 0.55  # of the free GPU memory (after the weights) for the fast path's KV cache
+
+
+def fast_limits(s: RegenerateSettings, on_cuda: bool, kv_bytes: int, free_bytes: int) -> tuple[int, int]:
+    """(slots, KV-cache tokens = slots x cache length) of the fast path: the settings, or for the device.
+
+    On CUDA the cache takes FAST_CACHE_SHARE of the free memory (it is allocated once, not grown by
+    copying), leaving room for the graphs' logits and the prefill."""
+    size = s.hf_batch_size or (GPU_BATCH if on_cuda else CPU_BATCH)
+    tokens = s.hf_batch_tokens or (max(4096, int(free_bytes * FAST_CACHE_SHARE) // kv_bytes) if on_cuda else CPU_BATCH_TOKENS)
+    return size, tokens
+
+
+def fast_groups(needs: list[int], slots: int, cache_tokens: int) -> list[tuple[list[int], int, int]]:
+    """Requests split into at most two runs, (indices, slots, cache length) each: those that fit the
+    cache at full slot count, then the longer ones with fewer slots (the cache is slots x length).
+    Slots and lengths are powers of two, so successive calls (turns) mostly reuse one decoder and
+    its CUDA graphs instead of capturing new ones."""
+    short_len = cache_length(max(1, cache_tokens // max(1, slots)) + 1) // 2  # a cache length (power of two) that fits
+    short_len = max(WINDOW_STEP, short_len)
+    parts = [[i for i, n in enumerate(needs) if n <= short_len], [i for i, n in enumerate(needs) if n > short_len]]
+    out = []
+    for idx in parts:
+        if idx:
+            length = cache_length(max(needs[i] for i in idx))
+            n = max(1, min(1 << (len(idx) - 1).bit_length(), slots, cache_tokens // length))
+            out.append((idx, n, length))
+    return out
+
+
 class HFEngine:
     name = "hf"
 
@@ -67,6 +100,7 @@ class HFEngine:
         import torch
         from transformers import AutoTokenizer
 
+        from nestling.regenerate.static_model import unsupported_reason
         from nestling.target.load import load_model
 
         self.s = s
@@ -81,12 +115,59 @@ class HFEngine:
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else eos[0]
         self.max_model_len = getattr(self.model.config, "max_position_embeddings", None)
         self.torch = torch
-        on_cuda = str(s.device).startswith("cuda")
-        free = torch.cuda.mem_get_info(self.model.device)[0] if on_cuda else 0
+        self.on_cuda = str(s.device).startswith("cuda")
+        free = torch.cuda.mem_get_info(self.model.device)[0] if self.on_cuda else 0
         kv = kv_bytes_per_token(self.model.config, next(self.model.parameters()).element_size())
-        self.batch_size, self.batch_tokens = batch_limits(s, on_cuda, kv, free)
+        self.batch_size, self.batch_tokens = batch_limits(s, self.on_cuda, kv, free)
+        self.slots, self.cache_tokens = fast_limits(s, self.on_cuda, kv, free)
+        self.decoder: Decoder | None = None
+        self.graphs = self.on_cuda
+        self.fast = s.hf_fast
+        why = unsupported_reason(self.model) if self.fast else None
+        if why:
+            log(f"[regenerate] hf engine: the fast decode loop cannot run this target ({why}); "
+                "using transformers generate (slower)")
+            self.fast = False
+        elif self.fast:
+            log(f"[regenerate] hf engine: fast decode loop, up to {self.slots} slots, "
+                f"{self.cache_tokens} KV-cache tokens, " + ("CUDA graphs" if self.graphs else
+                "eager steps (CUDA graphs need a GPU)"))
+
+    def _decoder(self, slots: int, length: int) -> Decoder:
+        """The decoder for this shape (kept between calls so its CUDA graphs are reused)."""
+        d = self.decoder
+        if d is None or (d.sm.slots, d.sm.length) != (slots, length):
+            self.decoder = d = None
+            if self.on_cuda:
+                self.torch.cuda.empty_cache()
+            d = Decoder(self.model, self.eos, self.pad, Sampling(self.s.temperature, self.s.top_p, self.s.top_k),
+                        slots, length, self.s.max_new_tokens, 16 if self.on_cuda else 4, self.graphs)
+            self.decoder = d
+        self.graphs = d.use_graphs  # a failed capture is not retried
+        return d
+
+    def _fast(self, reqs: list[Request]) -> list[Completion]:
+        out: list[Completion | None] = [None] * len(reqs)
+        needs = [len(r.prompt_ids) + r.max_tokens for r in reqs]
+        prefill_tokens = 65536 if self.on_cuda else 8192
+        for idx, slots, length in fast_groups(needs, self.slots, self.cache_tokens):
+            jobs = [Job(reqs[i].prompt_ids, reqs[i].max_tokens, reqs[i].seed) for i in idx]
+            with self.torch.inference_mode():
+                gens = self._decoder(slots, length).run(jobs, prefill_tokens)
+            for i, gen in zip(idx, gens):
+                out[i] = self._completion(gen, reqs[i].max_tokens)
+        return out  # type: ignore[return-value]
+
+    def _completion(self, gen: list[int], max_tokens: int) -> Completion:
+        gen = gen[:max_tokens]
+        stop = next((j for j, t in enumerate(gen) if t in self.eos), None)
+        tokens = gen[: stop + 1] if stop is not None else gen
+        text_ids = gen[:stop] if stop is not None else gen
+        return Completion(text=self.tok.decode(text_ids, skip_special_tokens=True), token_ids=tokens,
+                          num_tokens=len(tokens), finish_reason="stop" if stop is not None else "length")
 
     def _batch(self, reqs: list[Request]) -> list[Completion]:
+        """The old path: one left-padded `generate` call."""
         torch = self.torch
         width = max(len(r.prompt_ids) for r in reqs)
         ids = torch.full((len(reqs), width), self.pad, dtype=torch.long)
@@ -104,17 +185,17 @@ class HFEngine:
             kw.update(temperature=None, top_p=None, top_k=None)
         with torch.inference_mode():
             out = self.model.generate(input_ids=ids.to(self.s.device), attention_mask=mask.to(self.s.device), **kw)
-        res = []
-        for i, r in enumerate(reqs):
-            gen = out[i, width:].tolist()[: r.max_tokens]
-            stop = next((j for j, t in enumerate(gen) if t in self.eos), None)
-            tokens = gen[: stop + 1] if stop is not None else gen
-            text_ids = gen[:stop] if stop is not None else gen
-            res.append(Completion(text=self.tok.decode(text_ids, skip_special_tokens=True), token_ids=tokens,
-                                  num_tokens=len(tokens), finish_reason="stop" if stop is not None else "length"))
-        return res
+        return [self._completion(out[i, width:].tolist(), r.max_tokens) for i, r in enumerate(reqs)]
 
     def generate(self, requests: list[Request]) -> list[Completion]:
+        if not requests:
+            return []
+        if self.fast:
+            try:
+                return self._fast(requests)
+            except Exception as e:  # e.g. out of memory: fail these requests, not the run
+                self.decoder = None
+                return [Completion(error="engine_error", detail=f"{type(e).__name__}: {e}"[:500]) for _ in requests]
         out: list[Completion | None] = [None] * len(requests)
         for idx in plan_batches([len(r.prompt_ids) for r in requests], [r.max_tokens for r in requests],
                                 self.batch_size, self.batch_tokens):
@@ -127,4 +208,5 @@ class HFEngine:
         return out  # type: ignore[return-value]
 
     def close(self) -> None:
+        self.decoder = None
         del self.model

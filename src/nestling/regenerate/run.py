@@ -24,7 +24,7 @@ from nestling.config import to_dict
 from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, atomic_write_json, hash_file, hash_json, write_manifest
 from nestling.progress import Progress, log
-from nestling.regenerate.chat import assistant_positions, plan, postprocess, render_prompt
+from nestling.regenerate.chat import assistant_positions, plan, postprocess, render_prompts
 from nestling.regenerate.engine import Engine, Request, make_engine, resolve_engine
 from nestling.regenerate.readers import Record, read_records
 from nestling.regenerate.settings import OUTPUT_FIELDS, RegenerateSettings
@@ -41,6 +41,7 @@ class Conv:
     rec: Record
     messages: list[dict]
     positions: list[int]
+    sample: int = 0
     token_ids: list[list[int]] = field(default_factory=list)
     failed: tuple[str, str] | None = None
 
@@ -55,42 +56,45 @@ class ChunkResult:
     truncated_turns: int = 0
 
 
-def _seed(s: RegenerateSettings, rec: Record, turn: int) -> int:
-    # Depends on the record and turn only, so a resumed run samples exactly what it would have.
-    return (s.seed * 1_000_003 + rec.source_index * 1_009 + turn) % (2**31 - 1)
+def _seed(s: RegenerateSettings, rec: Record, turn: int, sample: int = 0) -> int:
+    # Depends on the record, turn and sample only, so a resumed run samples exactly what it would have.
+    return (s.seed * 1_000_003 + rec.source_index * 1_009 + turn + sample * 2_654_435_761) % (2**31 - 1)
+
+
+def _ident(rec: Record, sample: int, n: int) -> dict:
+    """How a row names its conversation: id and source index, and the sample when there are several."""
+    return {"id": rec.id, "source_index": rec.source_index, **({"sample": sample} if n > 1 else {})}
 
 
 def run_chunk(records: list[Record], engine: Engine, tokenizer, s: RegenerateSettings, max_len: int,
               progress: Progress | None = None) -> ChunkResult:
     res = ChunkResult([], [], Counter())
     convs: list[Conv] = []
-    for rec in records:
+    n = max(1, s.n)
+    for rec, k in ((r, k) for r in records for k in range(n)):  # with n > 1, each sample is a conversation
         if rec.skip:
-            res.dropped.append({"id": rec.id, "source_index": rec.source_index, "status": "skipped",
-                                "reason": rec.skip, "detail": rec.detail})
+            res.dropped.append({**_ident(rec, k, n), "status": "skipped", "reason": rec.skip, "detail": rec.detail})
             res.counts[f"skipped:{rec.skip}"] += 1
             continue
         msgs, altered = plan(rec.messages or [], s.max_turns)
         for a in sorted(set(rec.altered) | set(altered)):
             res.counts[f"altered:{a}"] += 1
         if not msgs:
-            res.dropped.append({"id": rec.id, "source_index": rec.source_index, "status": "skipped",
+            res.dropped.append({**_ident(rec, k, n), "status": "skipped",
                                 "reason": "no_assistant_turn", "detail": "no assistant turn after a user turn"})
             res.counts["skipped:no_assistant_turn"] += 1
             continue
-        convs.append(Conv(rec, msgs, assistant_positions(msgs)))
+        convs.append(Conv(rec, msgs, assistant_positions(msgs), k))
     for turn in range(max((len(c.positions) for c in convs), default=0)):
         batch: list[tuple[Conv, Request]] = []
-        for c in convs:
-            if c.failed or turn >= len(c.positions):
-                continue
-            pos = c.positions[turn]
-            ids = render_prompt(tokenizer, c.messages[:pos], s.reasoning)
+        due = [c for c in convs if not c.failed and turn < len(c.positions)]
+        prompts = render_prompts(tokenizer, [c.messages[:c.positions[turn]] for c in due], s.reasoning)
+        for c, ids in zip(due, prompts):
             if len(ids) >= max_len:
                 c.failed = ("context_overflow", f"assistant turn {turn}: prompt is {len(ids)} tokens, "
                                                 f"max_model_len is {max_len}")
                 continue
-            batch.append((c, Request(ids, min(s.max_new_tokens, max_len - len(ids)), _seed(s, c.rec, turn))))
+            batch.append((c, Request(ids, min(s.max_new_tokens, max_len - len(ids)), _seed(s, c.rec, turn, c.sample))))
         outs = engine.generate([r for _, r in batch])
         for (c, _), out in zip(batch, outs):
             if out.error:
@@ -106,11 +110,10 @@ def run_chunk(records: list[Record], engine: Engine, tokenizer, s: RegenerateSet
     for c in convs:
         if c.failed:
             reason, detail = c.failed
-            res.dropped.append({"id": c.rec.id, "source_index": c.rec.source_index, "status": "failed",
-                                "reason": reason, "detail": detail})
+            res.dropped.append({**_ident(c.rec, c.sample, n), "status": "failed", "reason": reason, "detail": detail})
             res.counts[f"failed:{reason}"] += 1
             continue
-        row = {"id": c.rec.id, "source_index": c.rec.source_index, "messages": c.messages}
+        row = {**_ident(c.rec, c.sample, n), "messages": c.messages}
         if s.save_token_ids:
             row["completion_token_ids"] = c.token_ids
         res.kept.append(row)
@@ -141,12 +144,15 @@ def _truncate(path: Path, size: int) -> None:
         f.truncate(size)
 
 
-def summarize(counts: Counter) -> dict:
+def summarize(counts: Counter, n: int = 1) -> dict:
+    """Counts by status and reason. With n samples per conversation every count but `read` is in
+    conversations x samples, so kept + failed + skipped = read x n."""
     def by(prefix: str) -> dict:
         return dict(sorted((k.split(":", 1)[1], v) for k, v in counts.items() if k.startswith(prefix + ":")))
     failed, skipped = by("failed"), by("skipped")
-    return {"read": counts["kept"] + sum(failed.values()) + sum(skipped.values()), "kept": counts["kept"],
-            "failed": failed, "skipped": skipped, "altered": by("altered")}
+    total = counts["kept"] + sum(failed.values()) + sum(skipped.values())
+    return {"read": total // n, "samples": n, "kept": counts["kept"], "failed": failed, "skipped": skipped,
+            "altered": by("altered")}
 
 
 def regenerate(input: str | Path, target: str | Path, out: str | Path,
@@ -158,8 +164,11 @@ def regenerate(input: str | Path, target: str | Path, out: str | Path,
     input, out = Path(input), Path(out)
     if not input.is_file():
         raise NestlingError(f"input {input} does not exist or is not a file (give a .json or .jsonl chat file)")
-    if s.max_new_tokens < 1 or s.chunk_size < 1:
-        raise NestlingError("max_new_tokens and chunk_size must be at least 1")
+    if s.max_new_tokens < 1 or s.chunk_size < 1 or s.n < 1:
+        raise NestlingError("max_new_tokens, chunk_size and n must be at least 1")
+    if s.n > 1 and s.temperature <= 0:
+        raise NestlingError(f"n={s.n} samples per conversation need sampling: set temperature > 0 "
+                            "(greedy answers would all be the same)")
     target_dir = resolve_target(target)
     tokenizer = load_tokenizer(target_dir)
     if not getattr(tokenizer, "chat_template", None):
@@ -225,20 +234,24 @@ def regenerate(input: str | Path, target: str | Path, out: str | Path,
     if todo:
         progress.close()
 
-    summary = summarize(counts)
-    if summary["read"] != len(records):
-        raise NestlingError(f"internal accounting error: {summary['read']} records accounted, {len(records)} read")
+    summary = summarize(counts, s.n)
+    if summary["kept"] + sum(summary["failed"].values()) + sum(summary["skipped"].values()) != len(records) * s.n:
+        raise NestlingError(f"internal accounting error: {summary['read']} records accounted, {len(records)} read "
+                            f"(x {s.n} samples)")
     secs = max(state["seconds"], 1e-9)
+    cap_share = state["truncated_turns"] / max(1, state["turns"])
     manifest = write_manifest(
         out, "regenerate", {**to_dict(s), "engine": engine_name, "max_model_len": max_len}, inputs,
         fingerprint=fingerprint, target=str(target_dir), counts=summary,
         files={"messages": MESSAGES, "failed": FAILED}, format="messages_jsonl",
         generation={"turns": state["turns"], "output_tokens": state["output_tokens"],
-                    "truncated_turns": state["truncated_turns"], "seconds": round(state["seconds"], 3),
+                    "truncated_turns": state["truncated_turns"], "truncated_share": round(cap_share, 4),
+                    "seconds": round(state["seconds"], 3),
                     "conversations_per_s": round(len(records) / secs, 4),
                     "output_tokens_per_s": round(state["output_tokens"] / secs, 2)},
     )
     log(f"[regenerate] done: {summary['kept']} kept, {sum(summary['failed'].values())} failed "
-        f"{summary['failed']}, {sum(summary['skipped'].values())} skipped {summary['skipped']} "
-        f"-> {out / MESSAGES} ({time.monotonic() - start:.1f} s)")
+        f"{summary['failed']}, {sum(summary['skipped'].values())} skipped {summary['skipped']}; "
+        f"{state['turns']} turns, {state['output_tokens']} tokens, {cap_share:.1%} of turns hit the "
+        f"{s.max_new_tokens}-token cap -> {out / MESSAGES} ({time.monotonic() - start:.1f} s)")
     return manifest

@@ -23,6 +23,7 @@ class RegenerateSettings:
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 1024  # per assistant turn
     seed: int = 0  # per-request seeds derive from it (sampling only)
+    n: int = 1  # answers per conversation: n > 1 writes n rows per input conversation, each sampled (needs temperature > 0)
     reasoning: Reasoning = "keep"  # keep / strip <think>..</think> from answers / disable thinking in the template
     max_model_len: int = 0  # prompt + answer limit; 0 = the target's max_position_embeddings
     max_turns: int = 0  # regenerate (and keep) only the first N assistant turns; 0 = all
@@ -32,8 +33,9 @@ class RegenerateSettings:
     dtype: str = "auto"  # vllm / hf weights dtype: auto, bfloat16, float16, float32
     # engine: hf
     device: str = "cpu"
-    hf_batch_size: int = 0  # requests per batch; 0 = auto: 8 on CPU, 1024 on CUDA
-    hf_batch_tokens: int = 0  # padded tokens per batch (requests x (longest prompt + max new tokens)); 0 = auto: 262144 on CPU, from free GPU memory on CUDA
+    hf_fast: bool = True  # the static-cache decode loop (CUDA graphs on a GPU); false = transformers generate
+    hf_batch_size: int = 0  # slots (fast) / requests per batch (generate); 0 = auto: 8 on CPU, 1024 on CUDA
+    hf_batch_tokens: int = 0  # KV-cache tokens, slots x length (fast) / padded tokens per batch (generate); 0 = auto: 262144 on CPU, from free GPU memory on CUDA
     # engine: openai (one or several OpenAI-compatible servers, requests spread round-robin)
     urls: list[str] = field(default_factory=list)
     server_model: str = ""  # model name on the server; "" = the first one /v1/models lists
@@ -46,5 +48,5 @@ class RegenerateSettings:
 
 
 # Settings that determine the output; a rerun with different values must not resume a folder.
-OUTPUT_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "reasoning",
+OUTPUT_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "n", "reasoning",
                  "max_model_len", "max_turns", "limit", "chunk_size", "save_token_ids")

@@ -1,0 +1,190 @@
+"""The hf engine's fast decode loop (static KV cache, slots with continuous refill) on a CPU in fp32:
+greedy output equals transformers `generate` token by token, sampling is seeded per request (so
+n samples per conversation are distinct and repeat exactly), and a kill -9 resumes to the same files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import nestling
+from nestling.regenerate import RegenerateSettings, regenerate
+from nestling.regenerate.engine import Request
+from nestling.regenerate.hf_engine import HFEngine, fast_groups, fast_limits
+
+SRC = str(Path(nestling.__file__).resolve().parents[1])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: on a shared, busy CPU, two threads stall each small multi-row matmul
+    (measured here: 16 ms against 0.03 ms for a [3, 128] x [128, 256] linear)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _reference(model, req: Request, eos: list[int]) -> list[int]:
+    """Plain greedy `generate` on one unpadded prompt, cut after the first end-of-answer token."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([req.prompt_ids]), do_sample=False, max_new_tokens=req.max_tokens,
+                             temperature=None, top_p=None, top_k=None, eos_token_id=eos, pad_token_id=eos[0])
+    gen = out[0, len(req.prompt_ids):].tolist()
+    stop = next((i for i, t in enumerate(gen) if t in eos), None)
+    return gen if stop is None else gen[: stop + 1]
+
+
+def _assert_equals_generate(engine: HFEngine, reqs: list[Request]) -> list:
+    got = engine.generate(reqs)
+    for i, (r, c) in enumerate(zip(reqs, got)):
+        assert c.error is None, c.detail
+        assert c.token_ids == _reference(engine.model, r, engine.eos), f"request {i} (prompt {len(r.prompt_ids)} tokens)"
+    return got
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: q/k norms, tied embeddings
+def test_fast_greedy_equals_generate_on_a_tiny_model_with_refills(arch, tiny_target, capsys):
+    engine = HFEngine(tiny_target(arch), RegenerateSettings(engine="hf", hf_batch_size=3, max_new_tokens=9))
+    assert engine.fast and "fast decode loop" in capsys.readouterr().err
+    g = torch.Generator().manual_seed(0)
+    lens, limits = [5, 40, 2, 17, 9, 1, 28, 12], [9, 3, 7, 9, 1, 5, 9, 6]  # 8 requests through 3 slots
+    reqs = [Request(torch.randint(3, 40000, (n,), generator=g).tolist(), m, 0) for n, m in zip(lens, limits)]
+    got = _assert_equals_generate(engine, reqs)
+    assert [c.num_tokens for c in got] == limits  # random weights: no end token, every answer hits its cap
+    assert {c.finish_reason for c in got} == {"length"}
+    assert engine.generate(reqs[:2]) == got[:2]  # a second call reuses the decoder and its cache
+
+
+def test_fast_greedy_equals_generate_on_smollm2(smollm2_dir):
+    from nestling.regenerate.chat import render_prompt
+
+    engine = HFEngine(smollm2_dir, RegenerateSettings(engine="hf", hf_batch_size=2, max_new_tokens=24))
+    questions = ["Hi!", "What is the capital of France?", "Say hello in Spanish.",
+                 "Write a haiku about the sea, then explain it in one sentence.", "Thanks, bye."]
+    reqs = [Request(render_prompt(engine.tok, [{"role": "user", "content": q}]), 24, 0) for q in questions]
+    got = _assert_equals_generate(engine, reqs)
+    assert "stop" in {c.finish_reason for c in got}  # real answers end: slots are freed and refilled
+    assert got[0].text == engine.tok.decode(got[0].token_ids[:-1])
+
+
+def test_sampling_is_seeded_per_request_not_per_batch(tiny_target):
+    s = RegenerateSettings(engine="hf", temperature=0.9, top_p=0.95, top_k=50, max_new_tokens=8)
+    engine = HFEngine(tiny_target("llama"), s)
+    prompts = [[10, 20, 30], [400, 500], [7] * 11, [1234, 99, 3, 4]]
+    together = engine.generate([Request(p, 8, 100 + i) for i, p in enumerate(prompts)])
+    engine.slots = 1
+    alone = [engine.generate([Request(p, 8, 100 + i)])[0] for i, p in enumerate(prompts)]
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    other_seed = engine.generate([Request(prompts[0], 8, 7)])[0]
+    assert other_seed.token_ids != together[0].token_ids
+
+
+def test_fast_groups_fit_the_cache():
+    needs = [100, 300, 5000, 250, 9000]
+    groups = fast_groups(needs, slots=4, cache_tokens=4096)  # 4 slots of 1024 tokens
+    assert sorted(i for g, _, _ in groups for i in g) == list(range(5))
+    (short, n1, len1), (long, n2, len2) = groups
+    assert short == [0, 1, 3] and n1 == 4 and len1 == 512  # slots in powers of two (decoders are reused)
+    assert long == [2, 4] and len2 == 16384 and n2 == 1  # too long for the cache at 4 slots: one slot
+    kv = 2 * 30 * 3 * 64 * 2  # SmolLM2 in bf16
+    slots, tokens = fast_limits(RegenerateSettings(), True, kv, 130 * 10**9)  # an idle H200 after the weights
+    assert slots == 1024 and 3_000_000 < tokens < 3_200_000  # 55% of the free memory
+    assert fast_limits(RegenerateSettings(), False, kv, 0) == (8, 262144)
+    assert fast_limits(RegenerateSettings(hf_batch_size=5, hf_batch_tokens=77), True, kv, 10**11) == (5, 77)
+
+
+def test_unsupported_target_falls_back_to_generate_with_a_log_line(tiny_target, capsys):
+    engine = HFEngine(tiny_target("gemma3"), RegenerateSettings(engine="hf", max_new_tokens=3))
+    assert not engine.fast and "using transformers generate" in capsys.readouterr().err
+    assert engine.generate([Request([5, 6, 7], 3, 0)])[0].num_tokens == 3
+
+
+# ---- n samples and kill -9, through the regenerate stage --------------------------------------------
+
+N_CONV, CHUNK, N = 5, 1, 2
+ARGS = ["--engine", "hf", "--dtype", "float32", "--max-new-tokens", "24", "--temperature", "0.8", "--n", str(N),
+        f"chunk_size={CHUNK}", "save_token_ids=true", "hf_batch_size=3"]
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory) -> Path:
+    rows = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Question {i}?"}, {"from": "gpt", "value": "old"},
+                                              {"from": "human", "value": "And then?"}, {"from": "gpt", "value": "old"}]}
+            for i in range(N_CONV)]
+    path = tmp_path_factory.mktemp("fast") / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _settings() -> RegenerateSettings:
+    return RegenerateSettings(engine="hf", dtype="float32", max_new_tokens=24, temperature=0.8, n=N,
+                              chunk_size=CHUNK, save_token_ids=True, hf_batch_size=3)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(conversations, tiny_target, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fast") / "full"
+    regenerate(conversations, tiny_target("llama"), out, _settings())
+    return out
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "messages.jsonl").read_text().splitlines()]
+
+
+def test_n_samples_are_distinct_and_repeat_on_a_rerun(uninterrupted, conversations, tiny_target, tmp_path):
+    rows = _rows(uninterrupted)
+    assert [(r["id"], r["sample"]) for r in rows] == [(f"c{i}", k) for i in range(N_CONV) for k in range(N)]
+    for i in range(0, len(rows), N):
+        answers = [r["completion_token_ids"] for r in rows[i:i + N]]
+        assert answers[0] != answers[1] and all(len(a) == 2 for a in answers)  # two turns each
+    m = json.loads((uninterrupted / "manifest.json").read_text())
+    assert m["counts"]["read"] == N_CONV and m["counts"]["kept"] == N_CONV * N and m["counts"]["samples"] == N
+    g = m["generation"]
+    assert g["turns"] == 2 * N_CONV * N and g["truncated_share"] == round(g["truncated_turns"] / g["turns"], 4)
+    regenerate(conversations, tiny_target("llama"), tmp_path / "again", _settings())
+    assert (tmp_path / "again" / "messages.jsonl").read_bytes() == (uninterrupted / "messages.jsonl").read_bytes()
+
+
+def test_n_above_one_needs_sampling(conversations, tiny_target, tmp_path):
+    from nestling.errors import NestlingError
+
+    with pytest.raises(NestlingError, match="temperature > 0"):
+        regenerate(conversations, tiny_target("llama"), tmp_path / "out", RegenerateSettings(engine="hf", n=2))
+
+
+def test_kill_9_then_resume_equals_uninterrupted(uninterrupted, conversations, tiny_target, tmp_path):
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "nestling", "regenerate", str(conversations), "--target", str(tiny_target("llama")),
+           "--out", str(out), *ARGS]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    state = out / "state.json"
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and p.poll() is None:
+            if state.exists() and json.loads(state.read_text())["chunks_done"] >= 1:
+                break
+            time.sleep(0.05)
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    done = json.loads(state.read_text())["chunks_done"]
+    assert 1 <= done < N_CONV // CHUNK and not (out / "manifest.json").exists()
+    with open(out / "messages.jsonl", "ab") as f:  # as if killed in the middle of appending a chunk
+        f.write(b'{"id": "half-writ')
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "resuming: " in res.stderr and "fast decode loop" in res.stderr
+    assert "hit the 24-token cap" in res.stderr
+    for name in ("messages.jsonl", "failed.jsonl"):
+        assert (out / name).read_bytes() == (uninterrupted / name).read_bytes()
