@@ -122,7 +122,7 @@ def regen(b: Bench, name: str, src: Path, limit: int, max_turns: int, max_new: i
     from nestling.regenerate import RegenerateSettings, regenerate
 
     out = b.w / name
-    extra = {"n": n} if n > 1 else {}
+    extra = {"n": n} if n > 1 else {}  # greedy plus n - 1 samples per prompt
     rs = RegenerateSettings(engine="hf", device=b.args.device, dtype="bfloat16" if b.cuda else "float32",
                             max_new_tokens=max_new, max_turns=max_turns, limit=limit, chunk_size=b.args.regen_chunk,
                             **extra)
