@@ -17,6 +17,7 @@ class TrainSettings:
     vocab: str | None = None  # reuse an existing vocab.safetensors instead of counting the data
     lm_head_init: Literal["target", "random"] = "target"
     intermediate_size: int = 0  # the draft layer's MLP width; 0 = the target's (engines read it from config.json)
+    draft_layers: int = 1  # decoder layers of the draft; layer 0 reads the embedding, later ones are plain Llama layers
 
     # how long
     epochs: float = 1.0
