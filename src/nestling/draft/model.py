@@ -3,10 +3,10 @@
     g      = fc(concat(a1, a2, a3))                          (first step only)
     x      = concat(input_layernorm(embed(tok)), hidden_norm(g))   -> attention (q/k/v take 2H)
     r      = g + o_proj(attn(x))
-    h      = r + mlp(post_attention_layernorm(r))            (layer 0)
-    h      = r + mlp(post_attention_layernorm(r)),  r = h + o_proj(attn(input_layernorm(h)))
-                                                             (layers 1..N-1: plain pre-norm Llama, width H)
-    logits = lm_head(norm(h))                                (over the draft vocabulary)
+    h_0    = r + mlp(post_attention_layernorm(r))            (layer 0's output, pre-norm)
+    r_i    = h_{i-1} + o_proj(attn(input_layernorm(h_{i-1})))  (layers i = 1..N-1: plain pre-norm
+    h_i    = r_i + mlp(post_attention_layernorm(r_i))            Llama layers of width H)
+    logits = lm_head(norm(h_{N-1}))                          (over the draft vocabulary)
 
 The last layer's pre-norm h feeds the next draft step (vLLM 0.32 `llama_eagle3.py`: `num_hidden_layers`
 layers, only layer 0 reads the embedding, the model returns the pre-norm sum). Layer 0 is `midlayer`,

@@ -152,7 +152,9 @@ class SpecDecoder:
         h = self._draft_feed(list(prompt[1:]) + [x], aux, 0, dcache)
         while len(out) < max_new_tokens and x not in self.eos:
             n = len(self.target)  # positions with target features (= position of x)
-            k = min(self.k, max_new_tokens - len(out))  # never draft past the budget (as vLLM)
+            # all K even when fewer tokens remain: vLLM 0.32 does (its counters show K per draft to the
+            # last step), and counts what it accepts there; the surplus is cut from the output only
+            k = self.k
             drafts, qs = [], []
             hid, pos = h, n - 1
             for j in range(k):
