@@ -79,7 +79,8 @@ def build(shape: str, draft_vocab: int, K: int, device: torch.device, attention:
 
 
 def flops_per_step(cfg, trainable: int, N: int, L: int, K: int) -> float:
-    attn = sum(3 * 4 * cfg.num_attention_heads * cfg.head_dim * ((L + 1) / 2 + j) * N for j in range(K))
+    attn = cfg.num_hidden_layers * sum(3 * 4 * cfg.num_attention_heads * cfg.head_dim * ((L + 1) / 2 + j) * N
+                                       for j in range(K))
     return 6 * trainable * N * K + attn + 2 * cfg.hidden_size * cfg.vocab_size * N
 
 

@@ -41,8 +41,8 @@ def write_prompts_jsonl(path: Path, prompts: list[str]) -> Path:
 
 
 def new_draft(target: Path, aux_ids: list[int] | None = None, draft_vocab_size: int = 1024,
-              vocab_tokens: torch.Tensor | None = None, seed: int = 0) -> Eagle3Draft:
-    """A randomly initialised draft for `target` with the target's embedding and a vocab from tokens."""
+              vocab_tokens: torch.Tensor | None = None, seed: int = 0, layers: int = 1) -> Eagle3Draft:
+    """A randomly initialised draft of `layers` decoder layers for `target`, with a vocab from tokens."""
     from transformers import AutoConfig
 
     from nestling.target.layers import default_aux_layers, num_layers
@@ -50,7 +50,7 @@ def new_draft(target: Path, aux_ids: list[int] | None = None, draft_vocab_size: 
     hf = AutoConfig.from_pretrained(target)
     aux_ids = aux_ids or default_aux_layers(num_layers(hf))
     cfg = DraftConfig.from_target(hf, min(draft_vocab_size, hf.vocab_size), aux_ids, target=str(target),
-                                  target_fingerprint=target_fingerprint(target))
+                                  target_fingerprint=target_fingerprint(target), num_hidden_layers=layers)
     torch.manual_seed(seed)
     draft = Eagle3Draft(cfg)
     counts = count_tokens([vocab_tokens if vocab_tokens is not None else torch.arange(cfg.vocab_size)], cfg.vocab_size)
@@ -86,7 +86,8 @@ def greedy_sequences(target: Path, prompt_ids: list[list[int]], new_tokens: int)
 
 
 def fit_step0(target: Path, prompt_ids: list[list[int]], aux_ids: list[int] | None = None, steps: int = 300,
-              new_tokens: int = 64, draft_vocab_size: int = 1024, lr: float = 2e-3, seed: int = 0) -> Eagle3Draft:
+              new_tokens: int = 64, draft_vocab_size: int = 1024, lr: float = 2e-3, seed: int = 0,
+              layers: int = 1) -> Eagle3Draft:
     """Fit a draft on step-0 prediction: input (tok[t+1], fc(aux[t])) at position t -> target argmax at t+1."""
     import time
 
@@ -99,7 +100,7 @@ def fit_step0(target: Path, prompt_ids: list[list[int]], aux_ids: list[int] | No
             o = model(s[None], output_hidden_states=True)
             feats.append(o.hidden_states)
             teach.append(o.logits[0].argmax(-1))  # teacher: target greedy next token at every position
-    draft = new_draft(target, aux_ids, draft_vocab_size, torch.cat(teach), seed=seed)
+    draft = new_draft(target, aux_ids, draft_vocab_size, torch.cat(teach), seed=seed, layers=layers)
     draft.embed_tokens.weight.data.copy_(model.get_input_embeddings().weight.data.float())
     ids = draft.config.aux_layer_ids
     t2d_idx = target_to_draft_index(draft.t2d)

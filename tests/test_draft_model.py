@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nestling.draft.model import DraftConfig, Eagle3Draft, KVCache
@@ -26,9 +27,30 @@ def test_export_names_and_shapes():
     assert not m.embed_tokens.weight.requires_grad
 
 
-def test_step_with_cache_equals_full_causal_pass():
+def test_later_layers_are_plain_llama_layers_of_width_h():
+    """vLLM 0.32 builds layers 1..N-1 with q/k/v over H (no embedding) and loads them as `layers.N.*`."""
+    m = Eagle3Draft(_cfg(num_hidden_layers=3))
+    sd = m.export_state_dict()
+    assert sd["midlayer.self_attn.q_proj.weight"].shape == (64, 128)  # layer 0: 2H input
+    for i in (1, 2):
+        assert sd[f"layers.{i}.self_attn.q_proj.weight"].shape == (64, 64)
+        assert sd[f"layers.{i}.self_attn.k_proj.weight"].shape == (32, 64)
+        assert sd[f"layers.{i}.input_layernorm.weight"].shape == (64,)
+        assert f"layers.{i}.hidden_norm.weight" not in sd
+    assert not any(k.startswith("layers.0.") or k.startswith("layers.3.") for k in sd)
+
+
+def test_draft_needs_a_layer():
+    from nestling.errors import NestlingError
+
+    with pytest.raises(NestlingError, match="at least one decoder layer"):
+        _cfg(num_hidden_layers=0)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_step_with_cache_equals_full_causal_pass(layers):
     torch.manual_seed(0)
-    m = Eagle3Draft(_cfg()).eval()
+    m = Eagle3Draft(_cfg(num_hidden_layers=layers)).eval()
     ids = torch.randint(0, 100, (1, 6))
     hid = torch.randn(1, 6, 64)
     pos = torch.arange(6)[None]

@@ -79,6 +79,44 @@ def test_speculators_layout(train_dir, tiny_target, tmp_path):
     assert set(t) == set(contract.expected_tensors(contract.read_draft_folder(out)[1], torch.bfloat16))
 
 
+# ---- a draft of several decoder layers ---------------------------------------------------------------
+# vLLM 0.32 builds `num_hidden_layers` layers and loads them as `layers.N.*` (tests/test_export_vllm.py
+# serves one); a 1-layer draft keeps `midlayer.*`.
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_two_layer_folder_uses_vllm_layer_names(tiny_target, tmp_path, fmt):
+    from nestling.evaluate.specdec import load_draft
+    from nestling.target.load import load_model
+
+    draft = new_draft(tiny_target("llama"), AUX, draft_vocab_size=512, vocab_tokens=torch.arange(1000, 3000),
+                      seed=3, layers=2)
+    out = export(make_train_dir(draft, tmp_path / "t"), tmp_path / "d", ExportSettings(format=fmt, dtype="float32"))
+    raw, cfg, t = contract.read_draft_folder(out)
+    assert (raw.get("transformer_layer_config") or raw)["num_hidden_layers"] == 2 and cfg.num_hidden_layers == 2
+    assert {k: (tuple(v.shape), v.dtype) for k, v in t.items()} == contract.expected_tensors(cfg, torch.float32)
+    assert not any(k.startswith("midlayer.") for k in t)
+    assert t["layers.0.self_attn.q_proj.weight"].shape == (128, 256)  # embedding + hidden
+    assert t["layers.1.self_attn.q_proj.weight"].shape == (128, 128)  # hidden only
+    assert "layers.0.hidden_norm.weight" in t and "layers.1.hidden_norm.weight" not in t
+    assert torch.equal(t["layers.0.mlp.up_proj.weight"], draft.midlayer.mlp.up_proj.weight)
+    assert torch.equal(t["layers.1.mlp.up_proj.weight"], draft.layers["1"].mlp.up_proj.weight)
+    loaded = load_draft(out, load_model(tiny_target("llama"), dtype="float32"))  # the reference decoder's loader
+    want = draft.export_state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in loaded.export_state_dict().items())
+
+
+def test_layer_count_is_held_to_the_weights(tiny_target):
+    """The config's num_hidden_layers and the tensors must agree (the check after writing)."""
+    c2 = new_draft(tiny_target("llama"), AUX, draft_vocab_size=512, layers=2).config
+    c1 = new_draft(tiny_target("llama"), AUX, draft_vocab_size=512).config
+    one = contract.native_config(c1, json.loads((tiny_target("llama") / "config.json").read_text()), "float32")
+    with pytest.raises(NestlingError, match="num_hidden_layers=1"):
+        contract.check_native_config(one, c2)
+    tensors = {k: torch.zeros(shape) for k, (shape, _) in contract.expected_tensors(c2, torch.float32).items()}
+    with pytest.raises(NestlingError, match="unexpected layers.1"):
+        contract.check_tensors(tensors, c1, torch.float32)
+
+
 def test_refuses_checkpoint_of_another_target(train_dir, tiny_target, tmp_path):
     other = tiny_target("llama", seed=1)  # same shapes, different weights -> another fingerprint
     with pytest.raises(NestlingError, match="fingerprint"):

@@ -4,6 +4,9 @@ the target alone, then the target with a full-vocabulary nestling draft, while t
 
 - A draft over the whole target vocabulary loads (vLLM 0.32 has no `draft_id_to_target_id` for it,
   so the folder holds no d2t) and greedy outputs with it equal those without it.
+- A 2-layer draft (`draft_layers=2`: `num_hidden_layers: 2`, weights `layers.0.*` / `layers.1.*`),
+  briefly fitted, loads; greedy outputs with it equal those without it, and vLLM's acceptance counts
+  equal the reference decoder's exactly (which a layer vLLM read differently would break).
 - Layer ids, proven directly: the aux states vLLM feeds the draft at serving time equal nestling's hf
   capture of the same prompt at the draft's ids, and differ from the capture at ids shifted by +-1.
 """
@@ -19,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle_helpers import PROMPTS, make_train_dir, new_draft, render
+from eagle_helpers import PROMPTS, fit_step0, make_train_dir, new_draft, render
 from nestling.export import ExportSettings, export
 
 pytestmark = pytest.mark.vllm
@@ -38,7 +41,9 @@ def probe(tiny_target, tmp_path_factory):
     full = new_draft(target, AUX, draft_vocab_size=49152, seed=3)  # the whole vocabulary
     draft = export(make_train_dir(full, root / "train"), root / "draft", ExportSettings(dtype="float32"))
     prompts = render(target, PROMPTS[:3])
-    spec = dict(target=str(target), drafts=[str(draft)], k=K, prompts=prompts, max_new_tokens=NEW,
+    deep = fit_step0(target, prompts, AUX, steps=150, new_tokens=NEW, layers=2)
+    deep_dir = export(make_train_dir(deep, root / "train2"), root / "draft2", ExportSettings(dtype="float32"))
+    spec = dict(target=str(target), drafts=[str(draft), str(deep_dir)], k=K, prompts=prompts, max_new_tokens=NEW,
                 temperature=0.0, dtype="float32", max_model_len=512, seed=0, baseline=True, ignore_eos=True)
     (root / "spec.json").write_text(json.dumps(spec))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
@@ -49,7 +54,7 @@ def probe(tiny_target, tmp_path_factory):
                         str(root / "states.safetensors")], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads((root / "result.json").read_text())
-    return dict(target=target, draft=draft, prompts=prompts, res=res, states=root / "states.safetensors")
+    return dict(target=target, draft=draft, deep=deep_dir, prompts=prompts, res=res, states=root / "states.safetensors")
 
 
 def test_full_vocab_draft_loads_and_greedy_outputs_are_unchanged(probe):
@@ -57,11 +62,37 @@ def test_full_vocab_draft_loads_and_greedy_outputs_are_unchanged(probe):
 
     assert "d2t" not in load_file(str(probe["draft"] / "model.safetensors"))
     base = probe["res"]["baseline"]["outputs"]
-    (d,) = probe["res"]["drafts"]
+    d = probe["res"]["drafts"][0]
     assert d["metrics"]["num_drafts"] > 0  # the draft really ran
     assert all(len(o) == NEW for o in base)
     print(f"[full vocab] drafts {d['metrics']['num_drafts']}, combine calls {probe['res']['combine_calls'][:6]}")
     assert d["outputs"] == base  # fp32 greedy: token-identical with and without the draft
+
+
+def test_two_layer_draft_loads_and_accepts_as_the_reference_decoder(probe):
+    from safetensors.torch import load_file
+
+    from nestling.evaluate.specdec import SpecDecoder, SpecStats, load_draft
+    from nestling.evaluate.vllm_engine import summarize_metrics
+    from nestling.target.load import load_model
+
+    cfg = json.loads((probe["deep"] / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2 and "layers.1.mlp.down_proj.weight" in load_file(str(probe["deep"] / "model.safetensors"))
+    base = probe["res"]["baseline"]["outputs"]
+    d = probe["res"]["drafts"][1]
+    v = summarize_metrics(d["metrics"], K)
+    assert d["outputs"] == base  # fp32 greedy: token-identical with and without the draft
+    model = load_model(probe["target"], dtype="float32")
+    dec = SpecDecoder(model, load_draft(probe["deep"], model), k=K)  # no EOS: the engine ran with ignore_eos
+    ref = SpecStats(K)
+    for prompt, want in zip(probe["prompts"], base):
+        out, st = dec.generate(prompt, NEW)
+        assert out == want
+        ref.add(st)
+    print(f"[2 layers] vLLM {v['acceptance_length']:.3f} {v['accepted_per_pos']}, "
+          f"reference {ref.acceptance_length:.3f} {ref.accepted_per_pos}")
+    assert v["acceptance_length"] > 1.3  # the fitted weights were read (a random draft accepts ~nothing)
+    assert (v["num_drafts"], v["accepted_per_pos"]) == (ref.num_drafts, ref.accepted_per_pos)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -137,6 +137,29 @@ def test_wider_draft_mlp_trains_exports_and_decodes(capture, tiny_target, tmp_pa
     _fails(capture, tmp_path / "bad", "intermediate_size must be", intermediate_size=-1)
 
 
+def test_two_layer_draft_trains_exports_and_decodes(capture, tiny_target, tmp_path):
+    """`draft_layers` stacks plain Llama layers after the first: it trains, the export writes vLLM's
+    `layers.N.*` names and `num_hidden_layers`, and the reference decoder loads and runs it."""
+    from nestling.evaluate.specdec import SpecDecoder, load_draft, target_generate
+    from nestling.export import export
+    from nestling.target.load import load_model
+
+    m = train(capture, tmp_path / "w", TrainSettings(steps=2, draft_layers=2, eval_batches=1, **TINY))
+    assert m["settings"]["draft_layers"] == 2
+    assert json.loads((tmp_path / "w" / "draft_config.json").read_text())["num_hidden_layers"] == 2
+    trained = load_file(str(tmp_path / "w" / "model.safetensors"))
+    assert trained["layers.1.self_attn.q_proj.weight"].shape == (128, 128)
+    out = export(tmp_path / "w", tmp_path / "d")
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+    assert {"layers.0.hidden_norm.weight", "layers.1.mlp.up_proj.weight"} <= set(load_file(str(out / "model.safetensors")))
+    model = load_model(tiny_target("llama"), dtype="float32")
+    draft = load_draft(out, model)
+    assert draft.num_layers == 2
+    out_ids, _ = SpecDecoder(model, draft, k=3).generate([5, 6, 7, 8], 12)
+    assert out_ids == target_generate(model, [5, 6, 7, 8], 12)[0]
+    _fails(capture, tmp_path / "bad", "at least one decoder layer", draft_layers=0)
+
+
 # ---- bad input: one clear error before any training step ---------------------------------------------
 
 def _fails(capture, out, match, resume=False, **kw):

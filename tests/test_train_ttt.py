@@ -15,10 +15,11 @@ from nestling.train.ttt import PackedBatch, reference_logits, shift_in_doc, ttt_
 STEPS = 4
 
 
-def _model(seed: int = 0) -> Eagle3Draft:
+def _model(seed: int = 0, layers: int = 1) -> Eagle3Draft:
     torch.manual_seed(seed)
     c = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                    vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 2, 3], num_target_layers=5)
+                    vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 2, 3], num_target_layers=5,
+                    num_hidden_layers=layers)
     m = Eagle3Draft(c).eval()
     with torch.no_grad():
         for p in m.parameters():
@@ -55,18 +56,36 @@ def _assert_matches_reference(m, samples, got):
         start += len(ids)
 
 
+@pytest.mark.parametrize("layers", [1, 2])
 @pytest.mark.parametrize("backend", ["mask", "flex", "concat"])
-def test_batched_ttt_equals_stepwise_reference_single_sample(backend):
-    m = _model()
+def test_batched_ttt_equals_stepwise_reference_single_sample(backend, layers):
+    m = _model(layers=layers)
     samples = _samples([13])
     _assert_matches_reference(m, samples, _batched_logits(m, _pack(samples), backend))
 
 
+@pytest.mark.parametrize("layers", [1, 2])
 @pytest.mark.parametrize("backend", ["mask", "flex", "concat"])
-def test_batched_ttt_equals_reference_in_packed_batch(backend):
-    m = _model()
+def test_batched_ttt_equals_reference_in_packed_batch(backend, layers):
+    m = _model(layers=layers)
     samples = _samples([7, 11, 3, 9])
     _assert_matches_reference(m, samples, _batched_logits(m, _pack(samples, pad=5), backend))
+
+
+def test_second_layer_takes_part_in_every_step():
+    """Guard for the 2-layer test above: layer 1 changes every step's logits, batched and stepwise,
+    so the equality cannot hold by skipping it in both."""
+    m = _model(layers=2)
+    samples = _samples([10])
+    before = _batched_logits(m, _pack(samples))
+    ref_before = reference_logits(m, samples[0][0], samples[0][1], STEPS)
+    with torch.no_grad():
+        m.layers["1"].mlp.down_proj.weight.mul_(2.0)
+    after = _batched_logits(m, _pack(samples))
+    ref_after = reference_logits(m, samples[0][0], samples[0][1], STEPS)
+    for j in range(STEPS):
+        assert (after[:6, j] - before[:6, j]).abs().max() > 1e-2
+        assert (ref_after[:6, j] - ref_before[:6, j]).abs().max() > 1e-2
 
 
 def test_packed_sample_sees_nothing_of_its_neighbours():
@@ -94,9 +113,9 @@ def test_same_positions_for_every_step_would_differ():
         hidden = model.fc(b2.aux)
         ks, vs, out = [], [], []
         for j in range(steps):
-            q, k, v = model.qkv(shift_in_doc(b2.input_ids, b2.doc, 1 + j), hidden, b2.pos)
+            q, k, v = model.qkv(0, shift_in_doc(b2.input_ids, b2.doc, 1 + j), hidden, b2.pos)
             ks.append(k), vs.append(v)
-            hidden = model.finish(model.attend(q, torch.cat(ks, 2), torch.cat(vs, 2), ttt.ttt_mask(b2.doc, j)), hidden)
+            hidden = model.finish(0, model.attend(q, torch.cat(ks, 2), torch.cat(vs, 2), ttt.ttt_mask(b2.doc, j)), hidden)
             out.append(hidden)
         return out
 
@@ -130,13 +149,14 @@ def test_loss_counts_only_supervised_in_sample_positions():
     assert m.fc.weight.grad is not None and m.fc.weight.grad.abs().sum() > 0
 
 
-def test_mask_path_gradients_equal_concatenated_attention():
+@pytest.mark.parametrize("layers", [1, 2])
+def test_mask_path_gradients_equal_concatenated_attention(layers):
     """The log-sum-exp merged attention trains exactly what one softmax over all keys does."""
     samples = _samples([7, 10])
     batch = _pack(samples, pad=2)
     grads = []
     for backend in ("mask", "concat"):
-        m = _model()
+        m = _model(layers=layers)
         m.zero_grad()
         hs = ttt_hidden(m, batch, STEPS, backend)
         sum((m.logits(h) ** 2).mean() * (j + 1) for j, h in enumerate(hs)).backward()

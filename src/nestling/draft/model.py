@@ -3,10 +3,16 @@
     g      = fc(concat(a1, a2, a3))                          (first step only)
     x      = concat(input_layernorm(embed(tok)), hidden_norm(g))   -> attention (q/k/v take 2H)
     r      = g + o_proj(attn(x))
-    h      = r + mlp(post_attention_layernorm(r))            (h, pre-norm, feeds the next step)
-    logits = lm_head(norm(h))                                (over the draft vocabulary)
+    h_0    = r + mlp(post_attention_layernorm(r))            (layer 0's output, pre-norm)
+    r_i    = h_{i-1} + o_proj(attn(input_layernorm(h_{i-1})))  (layers i = 1..N-1: plain pre-norm
+    h_i    = r_i + mlp(post_attention_layernorm(r_i))            Llama layers of width H)
+    logits = lm_head(norm(h_{N-1}))                          (over the draft vocabulary)
 
-The layer is split into `qkv` (projections + rotary) and `finish` (o_proj, residuals, MLP) so that
+The last layer's pre-norm h feeds the next draft step (vLLM 0.32 `llama_eagle3.py`: `num_hidden_layers`
+layers, only layer 0 reads the embedding, the model returns the pre-norm sum). Layer 0 is `midlayer`,
+later layers `layers.1` ... `layers.N-1` (the export renames `midlayer` to `layers.0` when N > 1).
+
+Each layer is split into `qkv` (projections + rotary) and `finish` (o_proj, residuals, MLP) so that
 the batched training-time test and the step-by-step KV-cache decoder share every weight-touching
 line and differ only in which keys a query may attend to.
 """
@@ -37,6 +43,7 @@ class DraftConfig:
     draft_vocab_size: int
     aux_layer_ids: list[int]  # nestling convention (HF hidden_states indices)
     num_target_layers: int
+    num_hidden_layers: int = 1  # draft decoder layers (train setting draft_layers)
     rms_norm_eps: float = 1e-6
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     max_position_embeddings: int = 4096
@@ -44,6 +51,11 @@ class DraftConfig:
     target: str = ""
     target_fingerprint: str = ""
     target_model_type: str = "llama"
+
+    def __post_init__(self) -> None:
+        if int(self.num_hidden_layers) < 1:
+            raise NestlingError(f"the draft needs at least one decoder layer (draft_layers / num_hidden_layers), "
+                                f"got {self.num_hidden_layers}")
 
     @classmethod
     def from_target(cls, hf_config, draft_vocab_size: int, aux_layer_ids: list[int], **kw) -> "DraftConfig":
@@ -95,7 +107,7 @@ class DraftConfig:
         return LlamaConfig(
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim, num_hidden_layers=1, vocab_size=self.vocab_size,
+            head_dim=self.head_dim, num_hidden_layers=self.num_hidden_layers, vocab_size=self.vocab_size,
             rms_norm_eps=self.rms_norm_eps, rope_parameters=dict(self.rope_parameters),
             max_position_embeddings=self.max_position_embeddings, hidden_act=self.hidden_act,
         )
@@ -115,12 +127,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, c: DraftConfig):
+    def __init__(self, c: DraftConfig, width: int):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(2 * c.hidden_size, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * c.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * c.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.q_proj = nn.Linear(width, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.hidden_size, bias=False)
 
 
@@ -138,15 +150,18 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-class MidLayer(nn.Module):
-    """The one decoder layer. Names match the export contract (`midlayer.*`)."""
+class DecoderLayer(nn.Module):
+    """One draft decoder layer. The first (`midlayer.*`) reads the embedding and the hidden state, each
+    normed, concatenated (2H); later ones (`layers.N.*`) are plain pre-norm Llama layers of width H and
+    have no `hidden_norm` (vLLM builds one there but never uses it)."""
 
-    def __init__(self, c: DraftConfig):
+    def __init__(self, c: DraftConfig, first: bool):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if first:
+            self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
+        self.self_attn = Attention(c, 2 * c.hidden_size if first else c.hidden_size)
         self.mlp = MLP(c)
 
 
@@ -166,7 +181,8 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(n_aux * c.hidden_size, c.hidden_size, bias=False)
-        self.midlayer = MidLayer(c)
+        self.midlayer = DecoderLayer(c, first=True)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, first=False) for i in range(1, c.num_hidden_layers)})
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.rotary = LlamaRotaryEmbedding(c.llama_config())
@@ -174,13 +190,26 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
 
-    # ---- the layer, in two halves shared by TTT and the KV-cache decoder -------------------------
+    # ---- each layer, in two halves shared by TTT and the KV-cache decoder --------------------------
 
-    def qkv(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor):
-        """[B,T] ids, [B,T,H] hidden, [B,T] positions -> q [B,nh,T,D], k, v [B,nkv,T,D] (rotated)."""
-        layer = self.midlayer
-        emb = self.embed_tokens(input_ids).to(hidden.dtype)
-        x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def layer(self, i: int) -> DecoderLayer:
+        return self.midlayer if i == 0 else self.layers[str(i)]
+
+    def qkv(self, i: int, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor):
+        """Layer i: [B,T] ids, [B,T,H] input, [B,T] positions -> q [B,nh,T,D], k, v [B,nkv,T,D] (rotated).
+
+        Layer 0's input is fc(aux) or the previous step's h, and it reads the token embedding; a later
+        layer's input is the previous layer's output, and it ignores `input_ids`."""
+        layer = self.layer(i)
+        if i == 0:
+            emb = self.embed_tokens(input_ids).to(hidden.dtype)
+            x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
+        else:
+            x = layer.input_layernorm(hidden)
         a = layer.self_attn
         B, T, _ = x.shape
         q = a.q_proj(x).view(B, T, a.n_heads, a.head_dim).transpose(1, 2)
@@ -199,9 +228,9 @@ class Eagle3Draft(nn.Module):
         B, _, T, _ = out.shape
         return out.transpose(1, 2).reshape(B, T, -1)
 
-    def finish(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """o_proj + residual from the hidden input, then MLP + residual: returns pre-norm h."""
-        layer = self.midlayer
+    def finish(self, i: int, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Layer i: o_proj + residual from the layer's input, then MLP + residual: returns pre-norm h."""
+        layer = self.layer(i)
         r = hidden + layer.self_attn.o_proj(attn)
         return r + layer.mlp(layer.post_attention_layernorm(r))
 
@@ -214,14 +243,16 @@ class Eagle3Draft(nn.Module):
              cache: "KVCache") -> torch.Tensor:
         """One draft forward over new tokens, attending to the cache plus causally to themselves.
 
-        Returns pre-norm h [B,T,H]; the cache grows by T. `hidden` is fc(aux) for target features
-        or the previous step's h for the draft's own chain.
+        Returns the last layer's pre-norm h [B,T,H]; every layer's cache grows by T. `hidden` is
+        fc(aux) for target features or the previous step's h for the draft's own chain.
         """
-        q, k, v = self.qkv(input_ids, hidden, position_ids)
-        k_all, v_all = cache.append(k, v)
-        T, S = q.shape[2], k_all.shape[2]
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-        return self.finish(self.attend(q, k_all, v_all, mask), hidden)
+        for i in range(self.num_layers):
+            q, k, v = self.qkv(i, input_ids, hidden, position_ids)
+            k_all, v_all = cache.append(i, k, v)
+            T, S = q.shape[2], k_all.shape[2]
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+            hidden = self.finish(i, self.attend(q, k_all, v_all, mask), hidden)
+        return hidden
 
     # ---- weights -----------------------------------------------------------------------------------
 
@@ -241,20 +272,22 @@ class Eagle3Draft(nn.Module):
 
 
 class KVCache:
-    """Grows along the sequence axis; `truncate` drops rejected draft entries."""
+    """Keys and values of every layer, grown along the sequence axis; `truncate` drops rejected
+    draft entries from all layers at once."""
 
     def __init__(self) -> None:
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
+        return 0 if 0 not in self.k else self.k[0].shape[2]
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        return self.k, self.v
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer in self.k:
+            k, v = torch.cat([self.k[layer], k], dim=2), torch.cat([self.v[layer], v], dim=2)
+        self.k[layer], self.v[layer] = k, v
+        return k, v
 
     def truncate(self, length: int) -> None:
-        if self.k is not None:
-            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+        for i in self.k:
+            self.k[i], self.v[i] = self.k[i][:, :, :length], self.v[i][:, :, :length]

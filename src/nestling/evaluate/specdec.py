@@ -152,7 +152,9 @@ class SpecDecoder:
         h = self._draft_feed(list(prompt[1:]) + [x], aux, 0, dcache)
         while len(out) < max_new_tokens and x not in self.eos:
             n = len(self.target)  # positions with target features (= position of x)
-            k = min(self.k, max_new_tokens - len(out))  # never draft past the budget (as vLLM)
+            # all K even when fewer tokens remain: vLLM 0.32 does (its counters show K per draft to the
+            # last step), and counts what it accepts there; the surplus is cut from the output only
+            k = self.k
             drafts, qs = [], []
             hid, pos = h, n - 1
             for j in range(k):
@@ -224,10 +226,10 @@ def target_generate(target_model, prompt: list[int], max_new_tokens: int, temper
 
 def load_draft(draft_dir, target_model, dtype: torch.dtype = torch.float32) -> Eagle3Draft:
     """The exported draft as an Eagle3Draft, with the target's (frozen) embedding."""
-    from nestling.export.contract import read_draft_folder, with_vocab_map
+    from nestling.export.contract import nestling_tensors, read_draft_folder
 
     _, cfg, tensors = read_draft_folder(draft_dir)
-    tensors = with_vocab_map(tensors, cfg)  # a full-vocabulary folder has no d2t / t2d: identity
+    tensors = nestling_tensors(tensors, cfg)  # layer names; a full-vocabulary folder has no d2t / t2d: identity
     draft = Eagle3Draft(cfg)
     draft.load_export_state_dict({k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()})
     emb = target_model.get_input_embeddings().weight

@@ -19,6 +19,13 @@ the draft's logits *are* target logits, row i = token i, and a `d2t` in the file
 ("no parameter draft_id_to_target_id"). So a full-vocabulary draft is written without `d2t`/`t2d`,
 its `lm_head` rows in target-id order (`engine_tensors`). SGLang needs nothing either: without `d2t`
 it sets no `hot_token_id` and reads draft ids as target ids; `t2d` it ignores anyway.
+
+Draft depth. vLLM 0.32 builds `num_hidden_layers` decoder layers (`llama_eagle3.py`, `LlamaModel`):
+layer 0 reads concat(input_layernorm(embed), hidden_norm(g)), 2H wide; layers 1..N-1 are plain
+pre-norm Llama layers of width H; its loader maps `midlayer.` to `layers.0.` and loads `layers.N.*`
+as they are. A 1-layer draft keeps the historical `midlayer.*` names (what every EAGLE-3 engine
+reads); a deeper one is written as `layers.0.*` ... `layers.N-1.*`, vLLM's own names
+(`layer_names_for_engine`). SGLang cannot serve it equivalently (docs/export.md).
 """
 
 from __future__ import annotations
@@ -55,15 +62,36 @@ def full_vocab(c: DraftConfig) -> bool:
     return c.draft_vocab_size == c.vocab_size
 
 
+LAYER0 = "midlayer."  # nestling's name of layer 0, and the folder's when the draft has one layer
+
+
+def layer_prefix(c: DraftConfig, i: int) -> str:
+    """Prefix of layer i's tensors in an exported folder."""
+    return LAYER0 if i == 0 and c.num_hidden_layers == 1 else f"layers.{i}."
+
+
+def layer_names_for_engine(tensors: dict[str, torch.Tensor], c: DraftConfig) -> dict[str, torch.Tensor]:
+    """nestling names -> the folder's: layer 0 becomes `layers.0.` when the draft has more layers."""
+    new = layer_prefix(c, 0)
+    return {(new + k[len(LAYER0):] if k.startswith(LAYER0) else k): v for k, v in tensors.items()}
+
+
+def layer_names_for_nestling(tensors: dict[str, torch.Tensor], c: DraftConfig) -> dict[str, torch.Tensor]:
+    """The folder's names -> nestling's (the inverse of `layer_names_for_engine`)."""
+    old = layer_prefix(c, 0)
+    return {(LAYER0 + k[len(old):] if k.startswith(old) else k): v for k, v in tensors.items()}
+
+
 def engine_tensors(tensors: dict[str, torch.Tensor], c: DraftConfig) -> dict[str, torch.Tensor]:
     """Trained tensors (always with d2t / t2d) -> the tensors an engine loads.
 
-    A reduced vocabulary keeps its map. A full one drops it, after putting `lm_head` row i at target
+    Layer 0 is renamed for a deeper draft (`layer_names_for_engine`). A reduced vocabulary keeps its map. A full one drops it, after putting `lm_head` row i at target
     id `i + d2t[i]` (a pure reordering, so the draft computes the same function); nestling's own
     vocabularies are in ascending target order already (`draft/vocab.py`), making this the identity.
     """
+    tensors = layer_names_for_engine(tensors, c)
     if not full_vocab(c):
-        return dict(tensors)
+        return tensors
     out = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
     d2t = tensors.get("d2t")
     if d2t is None:  # without it the order of the head rows is unknown
@@ -85,9 +113,11 @@ def engine_tensors(tensors: dict[str, torch.Tensor], c: DraftConfig) -> dict[str
     return out
 
 
-def with_vocab_map(tensors: dict[str, torch.Tensor], c: DraftConfig) -> dict[str, torch.Tensor]:
-    """An exported folder's tensors -> nestling's draft (which always carries d2t / t2d): identity for
-    a full-vocabulary folder that, as the engines need, holds none."""
+def nestling_tensors(tensors: dict[str, torch.Tensor], c: DraftConfig) -> dict[str, torch.Tensor]:
+    """An exported folder's tensors -> nestling's draft: nestling's layer names, and d2t / t2d (which
+    the draft always carries) as the identity for a full-vocabulary folder that, as the engines
+    need, holds none."""
+    tensors = layer_names_for_nestling(tensors, c)
     if not full_vocab(c) or "d2t" in tensors:
         return tensors
     return {**tensors, "d2t": torch.zeros(c.vocab_size, dtype=torch.int64),
@@ -100,22 +130,24 @@ def expected_tensors(c: DraftConfig, dtype: torch.dtype) -> dict[str, tuple[tupl
     H, I = c.hidden_size, c.intermediate_size
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     n_aux = len(c.aux_layer_ids)
-    m = "midlayer."
-    out = {
-        "fc.weight": ((H, n_aux * H), dtype),
-        m + "input_layernorm.weight": ((H,), dtype),
-        m + "hidden_norm.weight": ((H,), dtype),
-        m + "post_attention_layernorm.weight": ((H,), dtype),
-        m + "self_attn.q_proj.weight": ((q, 2 * H), dtype),  # embedding half first, then hidden
-        m + "self_attn.k_proj.weight": ((kv, 2 * H), dtype),
-        m + "self_attn.v_proj.weight": ((kv, 2 * H), dtype),
-        m + "self_attn.o_proj.weight": ((H, q), dtype),
-        m + "mlp.gate_proj.weight": ((I, H), dtype),
-        m + "mlp.up_proj.weight": ((I, H), dtype),
-        m + "mlp.down_proj.weight": ((H, I), dtype),
-        "norm.weight": ((H,), dtype),
-        "lm_head.weight": ((c.draft_vocab_size, H), dtype),
-    }
+    out = {"fc.weight": ((H, n_aux * H), dtype)}
+    for i in range(c.num_hidden_layers):
+        m, width = layer_prefix(c, i), 2 * H if i == 0 else H  # layer 0: embedding half first, then hidden
+        out[m + "input_layernorm.weight"] = ((H,), dtype)
+        if i == 0:
+            out[m + "hidden_norm.weight"] = ((H,), dtype)
+        out.update({
+            m + "post_attention_layernorm.weight": ((H,), dtype),
+            m + "self_attn.q_proj.weight": ((q, width), dtype),
+            m + "self_attn.k_proj.weight": ((kv, width), dtype),
+            m + "self_attn.v_proj.weight": ((kv, width), dtype),
+            m + "self_attn.o_proj.weight": ((H, q), dtype),
+            m + "mlp.gate_proj.weight": ((I, H), dtype),
+            m + "mlp.up_proj.weight": ((I, H), dtype),
+            m + "mlp.down_proj.weight": ((H, I), dtype),
+        })
+    out["norm.weight"] = ((H,), dtype)
+    out["lm_head.weight"] = ((c.draft_vocab_size, H), dtype)
     if not full_vocab(c):
         out["d2t"] = ((c.draft_vocab_size,), torch.int64)
         out["t2d"] = ((c.vocab_size,), torch.bool)
@@ -150,7 +182,7 @@ def native_config(c: DraftConfig, target_config: dict, dtype: str) -> dict:
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
-        "num_hidden_layers": 1,
+        "num_hidden_layers": c.num_hidden_layers,
         "hidden_size": c.hidden_size,
         "target_hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size,
@@ -193,7 +225,7 @@ def native_config(c: DraftConfig, target_config: dict, dtype: str) -> dict:
 def check_native_config(cfg: dict, c: DraftConfig, where: str = "config.json") -> None:
     """The config fields the engines read, checked against the draft they describe."""
     want = {
-        "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
+        "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": c.num_hidden_layers,
         "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
         "tie_word_embeddings": False, "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
@@ -224,6 +256,7 @@ def draft_config_from_native(cfg: dict) -> DraftConfig:
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
         vocab_size=cfg["vocab_size"], draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
         aux_layer_ids=aux, num_target_layers=int(n.get("num_target_layers", 0)),
+        num_hidden_layers=int(cfg.get("num_hidden_layers", 1)),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_parameters=dict(rope),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         hidden_act=cfg.get("hidden_act", "silu"), target_fingerprint=n.get("target_fingerprint", ""),

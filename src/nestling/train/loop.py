@@ -252,7 +252,7 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
     V, H = int(text.vocab_size), int(text.hidden_size)
     d2t, t2d = make_vocab(inp, s, out, V)
     cfg = DraftConfig.from_target(inp.hf_config, int(d2t.numel()), inp.aux_layer_ids, target=str(inp.target),
-                                  target_fingerprint=inp.target_fp)
+                                  target_fingerprint=inp.target_fp, num_hidden_layers=s.draft_layers)
     if s.intermediate_size:
         cfg.intermediate_size = s.intermediate_size
     G = d.world * s.grad_accum

@@ -21,6 +21,7 @@ class TrainSettings:
     lm_head_init: Literal["target", "random"] = "target"
     freeze_lm_head: bool = False  # keep lm_head at the target's rows (not trained, not in the optimizer)
     intermediate_size: int = 0  # the draft layer's MLP width; 0 = the target's (engines read it from config.json)
+    draft_layers: int = 1  # decoder layers of the draft; layer 0 reads the embedding, later ones are plain Llama layers
     # online: run the target batch by batch on the training device (DIR = the data stage's folder)
     # instead of reading a capture; auto = decided by `nestling run` (docs/train.md), an error in `nestling train`
     online: bool | Literal["auto"] = "auto"

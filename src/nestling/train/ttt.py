@@ -9,6 +9,9 @@ own keys. Batched, that is K passes over the whole row where step j's query at i
     step-0 keys at indices i <= t of the same sample        (causal, packed samples isolated)
     step-m keys (1 <= m <= j) at index t only                (the chain's diagonal)
 
+With several draft layers, each layer attends to its own keys under that same mask, and the last
+layer's pre-norm h is what step j+1 feeds back.
+
 `reference_logits` drafts the same thing anchor by anchor with `Eagle3Draft.step` and a KVCache;
 the tests hold the two equal.
 """
@@ -163,26 +166,28 @@ def chain_attention(q, ks: list[torch.Tensor], vs: list[torch.Tensor], doc, back
 
 
 def ttt_hidden(model: Eagle3Draft, batch: PackedBatch, steps: int, backend: str = "mask") -> list[torch.Tensor]:
-    """Pre-norm h [B, L, H] of every TTT step j = 0..steps-1 (the draft's chain, batched).
+    """Pre-norm h [B, L, H] of the last layer at every TTT step j = 0..steps-1 (the draft's chain,
+    batched); it feeds layer 0 of step j+1.
 
     backend: 'mask' (explicit boolean mask), 'flex' (flex attention; CUDA for training) or
     'concat' (one SDPA over the concatenated keys with the full TTT mask; a plain cross-check).
     """
     hidden = model.fc(batch.aux)
-    ks: list[torch.Tensor] = []
-    vs: list[torch.Tensor] = []
+    ks: list[list[torch.Tensor]] = [[] for _ in range(model.num_layers)]  # per layer, per step
+    vs: list[list[torch.Tensor]] = [[] for _ in range(model.num_layers)]
     out = []
     block_mask = flex_block_mask(batch.doc) if backend == "flex" else None
     for j in range(steps):
         ids = shift_in_doc(batch.input_ids, batch.doc, 1 + j)  # token t+1+j feeds anchor t at step j
-        q, k, v = model.qkv(ids, hidden, batch.pos + j)
-        ks.append(k)
-        vs.append(v)
-        if backend == "concat":
-            attn = model.attend(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), ttt_mask(batch.doc, j))
-        else:
-            attn = chain_attention(q, ks, vs, batch.doc, backend, block_mask)
-        hidden = model.finish(attn, hidden)
+        for i in range(model.num_layers):  # every layer attends to its own keys under the same mask
+            q, k, v = model.qkv(i, ids, hidden, batch.pos + j)
+            ks[i].append(k)
+            vs[i].append(v)
+            if backend == "concat":
+                attn = model.attend(q, torch.cat(ks[i], dim=2), torch.cat(vs[i], dim=2), ttt_mask(batch.doc, j))
+            else:
+                attn = chain_attention(q, ks[i], vs[i], batch.doc, backend, block_mask)
+            hidden = model.finish(i, attn, hidden)
         out.append(hidden)
     return out
 
