@@ -332,17 +332,49 @@ def equal(b: Bench) -> None:
     b.save()
 
 
+def probe_rate(b: Bench, over: dict) -> float:
+    """Training tokens/s of these settings on this device, as loaded now (other runs sharing the GPU
+    included): a short run whose progress rows give the rate after its first rows (warm-up)."""
+    from nestling.train import train
+
+    out = b.w / "probe"
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    s = settings(b, over, tokens=b.args.probe_steps * b.args.batch_tokens * over.get("grad_accum", 1),
+                 log_every=5, eval_batches=0)
+    b.timed("probe", train, data_dir(b, over), out, s)
+    rates = sorted([r["tokens_per_s"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                    if "tokens_per_s" in r][2:] or [1.0])
+    return rates[len(rates) // 2] * 0.93  # real tokens per second; a step's budget is not always full
+
+
+def curve_tokens(b: Bench, over: dict) -> float:
+    """--curve-tokens, or with --deadline as many tokens as fit before it (less --reserve for the
+    export and reference decodes), at the probed rate."""
+    a = b.args
+    if not a.deadline:
+        return a.curve_tokens
+    rate = probe_rate(b, over)
+    left = a.deadline - time.time() - a.reserve
+    tokens = max(rate * left, a.batch_tokens * 10)
+    b.res["budget"] = {"rate_tokens_per_s": rate, "seconds": left, "tokens": tokens}
+    print(f"[curve] probed {rate:,.0f} tok/s: {tokens / 1e6:.1f}M tokens fit in {left:.0f} s", flush=True)
+    return tokens
+
+
 def curve(b: Bench) -> None:
     a = b.args
     over = recipe(b)
-    total = max(1, math.ceil(a.curve_tokens / (a.batch_tokens * over.get("grad_accum", 1))))
+    total = max(1, math.ceil(curve_tokens(b, over) / (a.batch_tokens * over.get("grad_accum", 1))))
     every = max(1, total // a.curve_points)
     ck_every = max(1, total // a.ref_points)
     from nestling.train import train
     from nestling.train.checkpoint import list_checkpoints
 
     out = fresh(b.w / "train-curve")
-    s = settings(b, over, tokens=a.curve_tokens, eval_every=every, checkpoint_every=ck_every,
+    s = settings(b, over, steps=total, eval_every=every, checkpoint_every=ck_every,
                  keep_checkpoints=a.ref_points + 1)
     m = b.timed("train curve", train, data_dir(b, over), out, s)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -353,6 +385,7 @@ def curve(b: Bench) -> None:
     refs: dict = {}
     b.res["curve"] = {"settings": over, "steps": m.get("steps"), "tokens_per_step": tokens_per_step,
                       "points": points, "reference_k3": refs}
+    b.save()  # the curve is in the JSON before the slow decodes
     export_run(out, b.w / "export-curve")
     if a.ret == "curve":  # the draft goes back before the slow reference decodes
         give_back(b, "curve")
@@ -387,12 +420,100 @@ def plot_curve(c: dict, png: Path) -> None:
     fig.savefig(png, dpi=120)
 
 
-def give_back(b: Bench, name: str) -> None:
-    exp = b.w / f"export-{name}"
-    subprocess.run(f"cd {b.w} && tar cf {b.out}/draft.tar {exp.name} && cd {b.out} && split -b 15M -d draft.tar "
-                   f"draft-{name}.tar. && rm draft.tar", shell=True, check=True)
-    b.res["returned"] = name
+# ---- several runs on one GPU ---------------------------------------------------------------------------
+
+SHARED = ("target", "split", "data-eval", "regen-eval")  # prepared once, linked into every run's folder
+
+
+def parallel(b: Bench) -> None:
+    """Start every --run NAME=PHASE:key=value,... as its own process sharing this GPU (a 135M target
+    leaves an H200 mostly idle: one run is bound by kernel launches), in a new session so it outlives
+    this device call; they share the prepared folders and stop training by --deadline."""
+    a = b.args
+    procs = {}
+    for spec in a.run:
+        name, _, rest = spec.partition("=")
+        phase, _, kv = rest.partition(":")
+        over = parse_kv(kv)
+        if phase == "curve":
+            data_dir(b, over)  # tokenized once here, linked below
+        w = b.w.parent / f"{b.w.name}-{name}"
+        w.mkdir(exist_ok=True)
+        for item in list(SHARED) + [d.name for d in b.w.glob("data-*")]:
+            if (b.w / item).exists() and not (w / item).exists():
+                (w / item).symlink_to((b.w / item).resolve())
+        cmd = [sys.executable, __file__, "--target", str(a.target), "--sharegpt", str(a.sharegpt), "--work", str(w),
+               "--out", str(w / "out"), "--device", a.device, "--phase", phase, "--recipe", kv,
+               "--batch-tokens", str(a.batch_tokens), "--max-length", str(a.max_length),
+               "--deadline", str(a.deadline), "--reserve", str(a.reserve), "--probe-steps", str(a.probe_steps),
+               "--curve-points", str(a.curve_points), "--ref-points", str(a.ref_points if name == a.runs_ref else 1),
+               "--eval-prompts", str(a.eval_prompts), "--eval-tokens", str(a.eval_tokens),
+               "--equal-conversations", str(a.equal_conversations), "--equal-epochs", str(a.equal_epochs)]
+        log = open(b.w / f"run-{name}.log", "w")
+        env = {**__import__("os").environ, "OMP_NUM_THREADS": "3", "PYTHONUNBUFFERED": "1"}
+        procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env).pid
+        print(f"[curve] started {name} (pid {procs[name]}): {phase} {kv}", flush=True)
+    b.res["parallel"] = {"runs": a.run, "pids": procs}
     b.save()
+
+
+def alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:  # a finished child of an ended session lingers as a zombie until reaped
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def wait_runs(b: Bench) -> None:
+    """Wait for the --parallel runs (or until --wait-until), print their last lines, gather their
+    results, and return the best curve's draft (by simulated K = 3 on the held-out target text)."""
+    a = b.args
+    pids = b.res.get("parallel", {}).get("pids", {})
+    while any(alive(p) for p in pids.values()) and time.time() < a.wait_until:
+        time.sleep(10)
+        for name in pids:
+            lines = (b.w / f"run-{name}.log").read_text(errors="replace").splitlines()
+            print(f"[{name}] {lines[-1][:200] if lines else ''}", flush=True)
+    runs = {}
+    for name in pids:
+        rp = b.w.parent / f"{b.w.name}-{name}" / "learning_curve.json"
+        if rp.exists():
+            runs[name] = json.loads(rp.read_text())
+    with open(b.out / "runs.log", "w") as f:  # one file: the device returns at most 8
+        for name in pids:
+            f.write(f"==== {name}\n" + (b.w / f"run-{name}.log").read_text(errors="replace")[-100_000:] + "\n")
+    b.res["runs"] = runs
+    done = {n: r for n, r in runs.items() if "curve" in r and r["curve"]["points"]}
+    if done and a.ret == "best":
+        best = max(done, key=lambda n: done[n]["curve"]["points"][-1]["sim_k3"])
+        b.res["best_run"] = best
+        w = b.w.parent / f"{b.w.name}-{best}"
+        give_back(Bench.__new__(Bench), "curve", w, b.out)
+        plot_curve(runs[best]["curve"], b.out / "curve.png")
+    if a.ret in runs and "equal" in runs[a.ret]:
+        give_back(Bench.__new__(Bench), "equal", b.w.parent / f"{b.w.name}-{a.ret}", b.out)
+    b.save()
+    for name, r in runs.items():
+        print(f"\n## {name}", flush=True)
+        sub = Bench.__new__(Bench)
+        sub.res = r
+        table(sub)
+
+
+def give_back(b: Bench, name: str, w: Path | None = None, out: Path | None = None) -> None:
+    w, out = w or b.w, out or b.out
+    exp = w / f"export-{name}"
+    subprocess.run(f"cd {w} && tar cf {out}/draft.tar {exp.name} && cd {out} && split -b 15M -d draft.tar "
+                   f"draft-{name}.tar. && rm draft.tar", shell=True, check=True)
+    if hasattr(b, "res"):
+        b.res["returned"] = name
+        b.save()
 
 
 def table(b: Bench) -> None:
@@ -423,7 +544,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/learning-curve"))
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--phase", action="append", choices=["prepare", "ablate", "equal", "curve"], default=[])
+    ap.add_argument("--phase", action="append", choices=["prepare", "ablate", "equal", "curve", "parallel", "wait"],
+                    default=[])
+    ap.add_argument("--run", action="append", default=[], help="parallel: NAME=PHASE:key=value,... (PHASE curve "
+                    "or equal), each its own process on the same device")
+    ap.add_argument("--runs-ref", default=None, help="parallel: the run that decodes --ref-points checkpoints "
+                    "(the others decode their final draft only)")
+    ap.add_argument("--deadline", type=float, default=0, help="unix time by which curve runs stop training "
+                    "(their token budget comes from a probe of their rate); 0: --curve-tokens")
+    ap.add_argument("--reserve", type=float, default=120, help="seconds kept before --deadline for export and decodes")
+    ap.add_argument("--probe-steps", type=int, default=40)
+    ap.add_argument("--wait-until", type=float, default=math.inf, help="wait: unix time to stop waiting")
     ap.add_argument("--heldout", type=int, default=100)
     ap.add_argument("--eval-answer-tokens", type=int, default=256, help="length of the held-out target answers")
     ap.add_argument("--regen-conversations", type=int, default=2000, help="conversations to regenerate "
@@ -450,14 +581,16 @@ def main() -> None:
     ap.add_argument("--ref-points", type=int, default=3)
     ap.add_argument("--eval-prompts", type=int, default=12)
     ap.add_argument("--eval-tokens", type=int, default=160)
-    ap.add_argument("--return", dest="ret", default=None, choices=["curve", "equal"],
-                    help="tar that run's export into OUT right after its phase")
+    ap.add_argument("--return", dest="ret", default=None,
+                    help="curve|equal: tar that run's export into OUT right after its phase; with wait: best "
+                    "(the best curve run's draft) or a run's NAME (its equal draft)")
     args = ap.parse_args()
 
     b = Bench(args)
     for phase in args.phase:
-        {"prepare": prepare, "ablate": ablate, "equal": equal, "curve": curve}[phase](b)
-        if args.ret == phase and b.res.get("returned") != phase:  # back before a later phase runs out of time
+        {"prepare": prepare, "ablate": ablate, "equal": equal, "curve": curve, "parallel": parallel,
+         "wait": wait_runs}[phase](b)
+        if args.ret == phase in ("curve", "equal") and b.res.get("returned") != phase:  # back before a later phase runs out of time
             give_back(b, phase)
         table(b)
 

