@@ -369,7 +369,7 @@ def curve(b: Bench) -> None:
     over = recipe(b)
     total = max(1, math.ceil(curve_tokens(b, over) / (a.batch_tokens * over.get("grad_accum", 1))))
     every = max(1, total // a.curve_points)
-    ck_every = max(1, total // a.ref_points)
+    ck_every = max(1, total // a.ref_points) if a.ref_points else total  # 0: no decodes here
     from nestling.train import train
     from nestling.train.checkpoint import list_checkpoints
 
@@ -389,7 +389,7 @@ def curve(b: Bench) -> None:
     export_run(out, b.w / "export-curve")
     if a.ret == "curve":  # the draft goes back before the slow reference decodes
         give_back(b, "curve")
-    for ck in list_checkpoints(out / "checkpoints"):
+    for ck in list_checkpoints(out / "checkpoints") if a.ref_points else []:
         step = int(ck.name.split("-")[1])
         final = step == m.get("steps")
         try:
