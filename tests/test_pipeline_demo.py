@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nestling.demo import demo, demo_config_path
+from nestling.demo import demo, demo_config_path, summary
 
 SMALL = ["data.limit=50", "data.max_length=128", "data.held_out=0.1", "train.steps=4", "train.batch_tokens=1024",
          "train.eval_batches=1", "train.checkpoint_every=2", "eval.max_prompts=1", "eval.max_new_tokens=16"]
@@ -20,6 +20,16 @@ def test_shipped_demo_config_is_the_example():
     assert demo_config_path().read_text() == (root / "examples" / "demo.yaml").read_text()
     cfg = yaml.safe_load(demo_config_path().read_text())
     assert cfg["target"] == "builtin:smollm2" and cfg["inputs"] == ["builtin:sharegpt"]
+
+
+def test_summary_says_what_the_figure_is_measured_against(tmp_path):
+    """Beside the draft's figure the demo prints what no speculation (1.0) and a perfect draft (K + 1) give."""
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "report.json").write_text(json.dumps(
+        {"k": 5, "engines": {"vllm": {"acceptance_length": 1.8}}}))
+    text = summary(tmp_path, "T", 3)
+    assert "acceptance length (vllm, K=5): 1.800" in text
+    assert "no speculation gives 1.000, a perfect draft 6.000 (K + 1)" in text
 
 
 def test_demo_config_holds_only_real_settings(tmp_path):
@@ -44,6 +54,7 @@ def test_demo_end_to_end_on_a_subset(tmp_path, smollm2_dir, sharegpt_path, capsy
     for engine, r in report["engines"].items():
         assert 1.0 <= r["acceptance_length"] <= 4.0
         assert f"acceptance length ({engine}, K=3): {r['acceptance_length']:.3f}" in text
+    assert "no speculation gives 1.000, a perfect draft 4.000 (K + 1)" in text
     assert f"per-position acceptance plot: {out / 'eval' / 'acceptance.png'}" in text
     assert (out / "eval" / "acceptance.png").stat().st_size > 0
     draft = out / "export"
