@@ -280,7 +280,7 @@ def test_a_second_train_on_the_same_folder_is_refused(capture, tmp_path, capsys)
     first = run_cli(["train", str(capture), "--out", str(out), "--steps", "100000", *TRAIN], popen=True)
     try:
         deadline = time.time() + 120
-        while not (out / "checkpoints").exists():
+        while not list(out.glob("checkpoints/step-*/state.json")):  # a whole checkpoint is there
             assert first.poll() is None, first.stdout.read()
             assert time.time() < deadline
             time.sleep(0.05)
