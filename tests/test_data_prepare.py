@@ -157,7 +157,9 @@ def test_rerun_is_a_noop_and_incomplete_folder_is_redone(tmp_path, smollm2_dir, 
     (tmp_path / "out" / "train-00007.parquet").write_bytes(b"stale")
     run(tmp_path, [GOOD] * 3, smollm2_dir)
     assert "incomplete" in capsys.readouterr().err
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["manifest.json", "train-00000.parquet"]
+    # the stale shard went: this is a data folder (its marker says so), whose shards are all nestling's
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".nestling-stage.json", "manifest.json",
+                                                                    "train-00000.parquet"]
 
 
 def test_cli_help_prepare_inspect_and_errors(tmp_path, smollm2_dir, sharegpt_path, capsys):

@@ -64,9 +64,11 @@ def scale_stage(ctx) -> None:
     (ctx.out / "done.txt").write_text("".join((parts / f"{i}.txt").read_text() for i in range(ctx.settings.parts)))
 
 
+# A stage declares what it writes: a redo deletes those names only (nestling/outdir.py).
+REPEAT_OWNS, SCALE_OWNS = ("out.txt",), ("parts/*.txt", "done.txt")
 STAGES = (
-    Stage("repeat", RepeatSettings, repeat_stage, uses=("target", "inputs")),
-    Stage("scale", ScaleSettings, scale_stage, uses=()),
+    Stage("repeat", RepeatSettings, repeat_stage, uses=("target", "inputs"), owns=REPEAT_OWNS),
+    Stage("scale", ScaleSettings, scale_stage, uses=(), owns=SCALE_OWNS),
 )
 
 
@@ -210,7 +212,7 @@ def _dry_scale(s: ScaleSettings) -> ScaleSettings:
     return ScaleSettings(scale=s.scale, parts=1)
 
 
-DRY_STAGES = (STAGES[0], Stage("scale", ScaleSettings, scale_stage, dry=_dry_scale))
+DRY_STAGES = (STAGES[0], Stage("scale", ScaleSettings, scale_stage, dry=_dry_scale, owns=SCALE_OWNS))
 
 
 def test_dry_run_runs_every_stage_in_scratch_and_checks_disk(setup, monkeypatch):
@@ -245,7 +247,7 @@ def test_one_run_per_folder(setup):
             seen.append(str(e))
         repeat_stage(ctx)
 
-    assert {o.name: o.action for o in run(cfg, stages=(Stage("repeat", RepeatSettings, nested), STAGES[1]))} == {
+    assert {o.name: o.action for o in run(cfg, stages=(Stage("repeat", RepeatSettings, nested, owns=REPEAT_OWNS), STAGES[1]))} == {
         "repeat": "ran", "scale": "ran"}
     assert len(seen) == 1 and "another nestling run is using" in seen[0] and f"pid {os.getpid()}" in seen[0]
     assert go(cfg, from_stage="repeat") == {"repeat": "ran", "scale": "ran"}  # the lock is released

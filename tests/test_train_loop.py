@@ -218,8 +218,8 @@ def test_flex_on_cpu_is_refused(capture, tmp_path):
 
 
 def test_existing_checkpoints_need_resume(capture, trained, tmp_path):
-    out = tmp_path / "o"
-    shutil.copytree(trained / "checkpoints", out / "checkpoints")
+    out = tmp_path / "o"  # an interrupted run: a train folder with checkpoints and no manifest yet
+    shutil.copytree(trained, out, ignore=shutil.ignore_patterns("manifest.json"))
     with pytest.raises(NestlingError, match="--resume"):
         train(capture, out, TrainSettings(**{**TINY, "steps": 24}))
 

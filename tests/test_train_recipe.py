@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import pytest
 import torch
@@ -93,9 +92,8 @@ def test_resume_is_exact_with_muon_noise_and_a_frozen_head(capture, tmp_path):
                       eval_every=4, eval_batches=1, **TINY)
     straight = tmp_path / "straight"
     train(capture, straight, s)
-    resumed = tmp_path / "resumed"
-    shutil.copytree(straight / "checkpoints" / "step-00000004", resumed / "checkpoints" / "step-00000004")
-    train(capture, resumed, s, resume=True)
+    resumed = tmp_path / "resumed"  # a new folder, resumed from the straight run's checkpoint (--resume-from)
+    train(capture, resumed, s, resume=straight / "checkpoints" / "step-00000004")
     a, b = load_file(str(straight / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     sa, sb = (torch.load(p / "checkpoints" / "step-00000008" / "optimizer.pt", weights_only=True)

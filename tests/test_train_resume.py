@@ -58,7 +58,7 @@ def test_kill_then_resume_equals_straight_run(capture, tmp_path):
         assert torch.equal(a[k], b[k]), k
     assert _train_losses(straight) == _train_losses(out)
     # the optimizer state came back too: the last checkpoints are identical
-    sa = torch.load(straight / "checkpoints" / "step-00000012" / "optimizer.pt", weights_only=False)
-    sb = torch.load(out / "checkpoints" / "step-00000012" / "optimizer.pt", weights_only=False)
+    sa = torch.load(straight / "checkpoints" / "step-00000012" / "optimizer.pt", weights_only=True)
+    sb = torch.load(out / "checkpoints" / "step-00000012" / "optimizer.pt", weights_only=True)
     for i in sa["state"]:
         assert torch.equal(sa["state"][i]["exp_avg_sq"], sb["state"][i]["exp_avg_sq"])

@@ -20,6 +20,7 @@ from nestling.capture.store import (ShardPlan, ShardWriter, batches, bytes_per_t
                                     shard_name, write_index)
 from nestling.config import to_dict
 from nestling.data.dataset import SPLITS, Sample, load_samples, split_files
+from nestling import outdir
 from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, hash_json, read_manifest, write_manifest
 from nestling.progress import Progress, format_bytes, log
@@ -133,6 +134,12 @@ def capture(data_dir: str | Path, target: str | Path, out: str | Path, settings:
     if not data_dir.exists():  # cheapest check first: before the target is even resolved
         raise NestlingError(f"data folder {data_dir} does not exist; create it with `nestling data INPUT --target MODEL --out {data_dir}`")
     target_dir = resolve_target(target)
+    inputs = [("data folder", data_dir), ("target", target_dir), ("target", target)]
+    with outdir.claim(out, "capture", inputs):
+        return _capture(data_dir, target_dir, out, settings)
+
+
+def _capture(data_dir: Path, target_dir: Path, out: Path, settings: CaptureSettings) -> dict:
     config = load_config(target_dir)
     text_cfg = getattr(config, "text_config", None) or config
     L = num_layers(config)

@@ -23,6 +23,7 @@ from nestling.config import to_dict
 from nestling.data.dataset import SPLITS, Sample, split_files, write_shard
 from nestling.data.readers import InputReport, RawRecord, error_reason, read_input
 from nestling.data.settings import DataSettings
+from nestling import outdir
 from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, hash_bytes, hash_file, hash_json, write_manifest
 from nestling.progress import Progress, format_duration, log
@@ -302,10 +303,16 @@ def prepare_data(inputs: list[str | Path] | str | Path, target: str | Path, out:
         if not p.exists():
             raise NestlingError(f"input file {p} does not exist")
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise NestlingError(f"--out {out} exists and is not a folder")
     target_dir = resolve_target(target)
     template = read_template(settings.chat_template) if settings.chat_template else None
+    inputs_named = [("input file", p) for p in inputs] + [("target", target_dir), ("target", target),
+                                                          ("chat template", settings.chat_template)]
+    with outdir.claim(out, "data", inputs_named):
+        return _prepare_claimed(inputs, target_dir, template, out, settings)
+
+
+def _prepare_claimed(inputs: list[Path], target_dir: Path, template: str | None, out: Path,
+                     settings: DataSettings) -> dict:
 
     # Head start: with several workers and no previous result that could make this run a no-op, read
     # the inputs and start the workers on a tokenizer read from the target's files while this process
@@ -378,8 +385,7 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
     log(f"[data] read {len(records)} records from {len(inputs)} file(s); tokenizer and records ready after {time.monotonic() - t0:.1f}s; "
         f"loss mask by {fmt.mask_method}" + ("; tokenizer read from the target's files (verified earlier, cached)"
                                             if verified is not None else ""))
-    out.mkdir(parents=True, exist_ok=True)  # only once every input has been read
-    _clear(out)
+    _clear(out)  # our own files only: `out` is a data folder (claimed in prepare_data)
 
     spans = _spans(len(records))
     workers = max(1, min(workers, len(spans)))

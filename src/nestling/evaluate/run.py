@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Literal
 
 from nestling.config import to_dict
+from nestling import outdir
 from nestling.errors import NestlingError
-from nestling.manifest import write_manifest
+from nestling.manifest import MANIFEST, write_manifest
 from nestling.progress import Progress, log
 
 
@@ -108,9 +109,7 @@ def evaluate(draft_dir: str | Path, target: str | Path, prompts: str | Path, out
              settings: EvalSettings | None = None) -> dict:
     """Evaluate `draft_dir` on `target` over `prompts`; writes report.json/.md, acceptance.png, manifest."""
     from nestling.export.eagle3 import check_draft_matches_target
-    from nestling.evaluate.prompts import load_prompts
-    from nestling.evaluate.report import write_report
-    from nestling.target.load import load_tokenizer, resolve_target, target_fingerprint
+    from nestling.target.load import resolve_target
 
     s = settings or EvalSettings()
     if s.k < 1:
@@ -118,6 +117,16 @@ def evaluate(draft_dir: str | Path, target: str | Path, prompts: str | Path, out
     draft_dir, out = Path(draft_dir), Path(out)
     target_dir = resolve_target(target)
     check_draft_matches_target(draft_dir, target_dir)
+    inputs = [("draft folder", draft_dir), ("target", target_dir), ("target", target), ("prompts", prompts)]
+    with outdir.claim(out, "eval", inputs):
+        return _evaluate(draft_dir, target_dir, prompts, out, s)
+
+
+def _evaluate(draft_dir: Path, target_dir: Path, prompts: str | Path, out: Path, s: EvalSettings) -> dict:
+    from nestling.evaluate.prompts import load_prompts
+    from nestling.evaluate.report import write_report
+    from nestling.target.load import load_tokenizer, target_fingerprint
+
     tok = load_tokenizer(target_dir)
     ids = load_prompts(prompts, tok, s.max_prompts)
     log(f"[eval] {len(ids)} prompts, k={s.k}, engine={s.engine}, temperature={s.temperature}")
@@ -129,6 +138,7 @@ def evaluate(draft_dir: str | Path, target: str | Path, prompts: str | Path, out
     report = {"draft": str(draft_dir), "target": str(target_dir), "k": s.k, "num_prompts": len(ids),
               "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "settings": to_dict(s),
               "engines": engines}
+    (out / MANIFEST).unlink(missing_ok=True)  # an earlier report's: incomplete until the new one is written
     write_report(report, out)
     for name, r in engines.items():
         log(f"[eval] {name}: acceptance length {r['acceptance_length']:.3f}, per position "

@@ -14,7 +14,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "speculators layout (for `vllm serve DRAFT`), then reload it and check it against the contract. "
                     "Refuses a checkpoint whose target (by fingerprint) is not the one it names.")
     p.add_argument("train_dir", type=Path, help="output folder of `nestling train`")
-    p.add_argument("--out", type=Path, required=True, help="draft folder to write (replaced if it exists)")
+    p.add_argument("--out", type=Path, required=True,
+                   help="draft folder to write: new, empty, or an earlier export (its files are replaced once the new "
+                        "ones are verified; files you added stay). Any other folder, or one at TRAIN_DIR, is refused")
     p.add_argument("--format", choices=["eagle3", "speculators"], default=None,
                    help="eagle3 (default): native EAGLE-3 folder; speculators: also names the target (vllm serve DRAFT)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,

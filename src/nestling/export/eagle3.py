@@ -8,6 +8,7 @@ and check every tensor and config field against `contract.py`, then write the ma
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +21,10 @@ from nestling.draft.model import DraftConfig
 from nestling.draft.vocab import load_vocab
 from nestling.errors import NestlingError
 from nestling.export import contract
-from nestling.manifest import hash_files, read_manifest, write_manifest
+from nestling.manifest import MANIFEST, hash_files, read_manifest, write_manifest
 from nestling.progress import log
 
+BUILD_PREFIX = ".export-build-"  # outdir.OWNS["export"] names it: a crashed build is removed by the next export
 
 @dataclass
 class ExportSettings:
@@ -73,13 +75,21 @@ def load_trained(train_dir: Path, checkpoint: str | None) -> tuple[DraftConfig, 
 
 def export(train_dir: str | Path, out: str | Path, settings: ExportSettings | None = None) -> Path:
     """Export the draft in `train_dir` to `out`; returns `out`."""
-    from safetensors.torch import save_file
+    from nestling import outdir
 
     settings = settings or ExportSettings()
     train_dir, out = Path(train_dir), Path(out)
     manifest = read_manifest(train_dir, "train")
     cfg, tensors = load_trained(train_dir, settings.checkpoint)
     target = check_target(train_dir, manifest, cfg, settings.target)
+    inputs = [("training folder", train_dir), ("target", target), ("target", settings.target),
+              ("checkpoint", settings.checkpoint)]
+    with outdir.claim(out, "export", inputs):
+        return _export(train_dir, out, settings, manifest, cfg, tensors, target)
+
+
+def _export(train_dir: Path, out: Path, settings: ExportSettings, manifest: dict, cfg: DraftConfig,
+            tensors: dict[str, torch.Tensor], target: Path) -> Path:
     if not cfg.target_fingerprint:
         cfg.target_fingerprint = manifest["inputs"]["target"]
     dtype = contract.FLOAT_DTYPES[settings.dtype]
@@ -97,16 +107,20 @@ def export(train_dir: str | Path, out: str | Path, settings: ExportSettings | No
     else:
         config = native
 
-    tmp = out.with_name(f".{out.name}.tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    (tmp / contract.CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, str(tmp / contract.WEIGHTS), metadata={"format": "pt"})
-    verify(tmp, cfg, dtype)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    from safetensors.torch import save_file
+
+    for stale in out.glob(f"{BUILD_PREFIX}*"):  # a build a killed export left (we hold the folder's lock)
+        shutil.rmtree(stale)
+    build = out / f"{BUILD_PREFIX}{os.getpid()}"  # built and verified here, inside the claimed folder
+    try:
+        build.mkdir()
+        (build / contract.CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, str(build / contract.WEIGHTS), metadata={"format": "pt"})
+        verify(build, cfg, dtype)
+        swap_in(build, out)
+    finally:
+        if build.exists():
+            shutil.rmtree(build)
     write_manifest(
         out, "export", to_dict(settings),
         inputs={"target": cfg.target_fingerprint, "train": hash_files([train_dir / "manifest.json"])},
@@ -117,6 +131,15 @@ def export(train_dir: str | Path, out: str | Path, settings: ExportSettings | No
     log(f"[export] wrote {settings.format} draft to {out} (aux layers: nestling/vLLM {cfg.aux_layer_ids}, "
         f"SGLang {contract.sglang_layer_ids(cfg.aux_layer_ids)})")
     return out
+
+
+def swap_in(build: Path, out: Path) -> None:
+    """Move a complete, verified export from `build` into `out`, file by file (renames, same disk).
+    The old manifest goes first, so a crash in between leaves a folder marked incomplete, never a
+    mix that looks complete; no other name in `out` is touched."""
+    (out / MANIFEST).unlink(missing_ok=True)
+    for f in sorted(build.iterdir()):
+        os.replace(f, out / f.name)
 
 
 def verify(folder: Path, cfg: DraftConfig, dtype: torch.dtype) -> None:

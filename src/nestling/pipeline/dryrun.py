@@ -19,8 +19,9 @@ from typing import Any, Sequence
 
 from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, atomic_write_json
+from nestling.outdir import mark
 from nestling.pipeline.config import RunConfig
-from nestling.pipeline.runner import enabled_stages, resolve_paths, run
+from nestling.pipeline.runner import clear_run, enabled_stages, resolve_paths, run
 from nestling.pipeline.stages import STAGES, Stage, train_mode
 from nestling.pipeline.state import read_progress, read_state
 from nestling.progress import format_bytes, format_duration, log
@@ -233,14 +234,14 @@ def dry_run(config: RunConfig, *, stages: Sequence[Stage] = STAGES, scratch: Pat
         log(f"[dry-run] the full run trains {mode_note}")
     real_run_dir = Path(config.run_dir)
     scratch = Path(scratch) if scratch else real_run_dir / SCRATCH
-    if scratch.exists():
-        shutil.rmtree(scratch)  # measured from scratch every time: a cached stage measures nothing
+    clear_run(scratch, stages)  # measured from scratch every time: a cached stage measures nothing
     active = enabled_stages(config, stages)
     settings = {s.name: (None if config.settings.get(s.name) is None else dry_settings_of(s, config.settings[s.name]))
                 for s in stages}
     prompts = config.prompts
     if prompts is None and "eval" in settings:  # the dry data stage has no held-out split
         scratch.mkdir(parents=True, exist_ok=True)
+        mark(scratch, "run")  # a run folder before run.json is written: the next dry run may clear it
         prompts = str(scratch / "prompts.jsonl")
         Path(prompts).write_text("".join(json.dumps({"prompt": p}) + "\n" for p in DRY_PROMPTS))
     dry_config = dataclasses.replace(config, run_dir=scratch, settings=settings, prompts=prompts)

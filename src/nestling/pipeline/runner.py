@@ -13,8 +13,6 @@ input files, eval prompts) and of the previous stage's key. So:
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 from nestling.config import to_dict
 from nestling.errors import NestlingError
 from nestling.manifest import FORMAT_VERSION, atomic_write_json, hash_bytes, hash_files, hash_json
+from nestling.outdir import RUN_FILE, check_apart, check_ours, lock, mark, owner, remove_owned
 from nestling.pipeline.config import RunConfig, resolve_builtin
 from nestling.pipeline.stages import STAGES, Stage, StageContext, train_mode
 from nestling.pipeline.state import (RUN_LOG, progress_path, read_progress, read_state, state_path, tee_stderr,
@@ -33,8 +32,6 @@ from nestling.progress import PROGRESS_ENV, format_duration, log
 # Settings that change how fast or how loudly a stage runs, never what it produces.
 NOT_IN_KEY = frozenset({"progress_interval", "ignore_disk_check", "queue_size", "log_interval", "log_every",
                         "num_workers", "workers"})
-RUN_FILE = "run.json"
-LOCK = ".lock"
 
 
 @dataclass
@@ -91,12 +88,35 @@ def stage_key(stage: Stage, settings: Any, previous: str, fingerprints: dict[str
                       "uses": {u: fingerprints[u] for u in stage.uses}})
 
 
-def _wipe(run_dir: Path, out: Path, stage: str) -> None:
-    if out.exists():
-        if out.resolve().parent != run_dir.resolve():
-            raise NestlingError(f"refusing to delete {out}: not a stage folder of {run_dir}")
-        shutil.rmtree(out)
-    progress_path(run_dir, stage).unlink(missing_ok=True)
+FOREIGN_FIX = "move those files elsewhere, or set run_dir to a new folder"
+
+
+def clear_stage(run_dir: Path, stage: Stage) -> None:
+    """Delete what `stage` wrote in its folder of `run_dir` (only that: see outdir.py). A folder this run
+    ran the stage in (it has a state file) is the stage's even when an older nestling left no marker."""
+    out = run_dir / stage.name
+    if out.is_dir() and read_state(run_dir, stage.name) is not None and owner(out) != stage.name:
+        mark(out, stage.name)
+    remove_owned(out, stage.name, stage.owns, flag=f"the {stage.name} folder of run_dir", fix=FOREIGN_FIX)
+    progress_path(run_dir, stage.name).unlink(missing_ok=True)
+
+
+def clear_run(run_dir: Path, stages: Sequence[Stage]) -> None:
+    """Delete what a run wrote in `run_dir` (each stage's files, then the run's own), nothing else."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        return
+    check_ours(run_dir, "run", flag="run folder", fix=FOREIGN_FIX)
+    for stage in stages:
+        clear_stage(run_dir, stage)
+    remove_owned(run_dir, "run", flag="run folder", fix=FOREIGN_FIX)
+
+
+def check_run_dir(run_dir: Path, stages: Sequence[Stage], target: str, inputs: list[str], prompts: str | None) -> None:
+    """Refuse a run folder whose stage folders would hold, or lie inside, the target or an input."""
+    named = [("target", target), ("prompts file", prompts), *(("input", p) for p in inputs)]
+    for stage in stages:
+        check_apart(run_dir / stage.name, named, flag=f"the {stage.name} folder of run_dir")
 
 
 def run(config: RunConfig, *, stages: Sequence[Stage] = STAGES, from_stage: str | None = None,
@@ -119,6 +139,7 @@ def run(config: RunConfig, *, stages: Sequence[Stage] = STAGES, from_stage: str 
                                 + (", or set train.online: false)" if n == "capture" else ")"))
     fingerprints = run_fingerprints(target, inputs, prompts)
     run_dir = Path(config.run_dir)
+    check_run_dir(run_dir, active, target, inputs, prompts)
     run_dir.mkdir(parents=True, exist_ok=True)
     with run_lock(run_dir):
         return _run(config, active, names, stages, from_stage, force, until, dry_run, header, after_stage,
@@ -127,25 +148,9 @@ def run(config: RunConfig, *, stages: Sequence[Stage] = STAGES, from_stage: str 
 
 @contextmanager
 def run_lock(run_dir: Path) -> Iterator[None]:
-    """One `nestling run` per run folder: two would write the same stage folders. The OS drops the lock
-    when the process dies, so a killed run never leaves a stale lock."""
-    import fcntl
-
-    with open(run_dir / LOCK, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.seek(0)
-            raise NestlingError(f"another nestling run is using {run_dir} ({f.read().strip() or 'unknown process'}); "
-                                f"wait for it, or watch it with `nestling status {run_dir}`") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        f.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    """One `nestling run` per run folder: two would write the same stage folders."""
+    with lock(run_dir, "nestling run", f"wait for it, or watch it with `nestling status {run_dir}`"):
+        yield
 
 
 def _run(config, active, names, stages, from_stage, force, until, dry_run, header, after_stage,
@@ -174,7 +179,7 @@ def _run(config, active, names, stages, from_stage, force, until, dry_run, heade
                 action = "resumed" if same and not redo and out.exists() else "ran"
                 if action == "ran":
                     why = ("forced" if redo else "settings or inputs changed" if state else "first run")
-                    _wipe(run_dir, out, stage.name)
+                    clear_stage(run_dir, stage)
                     log(f"[run] {stage.name}: starting ({why}; key {key})")
                 else:
                     log(f"[run] {stage.name}: resuming the interrupted run in {out} (key {key})")
@@ -201,7 +206,11 @@ def _run_stage(stage: Stage, settings: Any, key: str, action: str, run_dir: Path
         if old.get("status") == "running" and old.get("started"):  # killed: count up to its last sign of life
             last = max(old.get("updated", 0.0), (read_progress(run_dir, stage.name) or {}).get("updated", 0.0))
             spent += max(last - old["started"], 0.0)
+    if old is None:  # a folder this run has not written yet: it must be new, empty or the stage's
+        check_ours(out, stage.name, flag=f"the {stage.name} folder of run_dir", fix=FOREIGN_FIX)
     write_state(run_dir, stage.name, key=key, status="running", started=started, wall_s=spent)
+    out.mkdir(parents=True, exist_ok=True)
+    mark(out, stage.name)  # the stage's from now on: a later redo deletes what it wrote there, nothing else
     ctx = StageContext(stage.name, settings, out, run_dir, target, inputs, prompts, names, dry_run)
     previous_env = os.environ.get(PROGRESS_ENV)
     os.environ[PROGRESS_ENV] = str(progress_path(run_dir, stage.name))

@@ -42,6 +42,7 @@ class Stage:
     uses: tuple[str, ...] = ()  # run-level inputs in this stage's key: "target", "inputs", "prompts"
     optional: bool = False  # disabled unless the config has a section for it
     dry: Callable[[Any], Any] | None = None  # settings -> the settings of the dry run (two samples)
+    owns: tuple[str, ...] | None = None  # what it writes in its folder (globs); None: outdir.OWNS[name]
 
     def settings_cls(self) -> type:
         if isinstance(self.settings, type):

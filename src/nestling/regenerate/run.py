@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nestling.config import to_dict
+from nestling import outdir
 from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, atomic_write_json, hash_file, hash_json, write_manifest
 from nestling.progress import Progress, log
@@ -158,7 +159,7 @@ def summarize(counts: Counter, n: int = 1) -> dict:
 def regenerate(input: str | Path, target: str | Path, out: str | Path,
                settings: RegenerateSettings | None = None) -> dict:
     """Regenerate every assistant turn of `input` with `target`; write `out/`; return the manifest."""
-    from nestling.target.load import load_config, load_tokenizer, resolve_target, target_fingerprint, tokenizer_fingerprint
+    from nestling.target.load import resolve_target
 
     s = settings or RegenerateSettings()
     input, out = Path(input), Path(out)
@@ -170,6 +171,13 @@ def regenerate(input: str | Path, target: str | Path, out: str | Path,
         raise NestlingError(f"n={s.n} samples per conversation need sampling: set temperature > 0 "
                             "(greedy answers would all be the same)")
     target_dir = resolve_target(target)
+    with outdir.claim(out, "regenerate", [("input file", input), ("target", target_dir), ("target", target)]):
+        return _regenerate(input, target_dir, out, s)
+
+
+def _regenerate(input: Path, target_dir: Path, out: Path, s: RegenerateSettings) -> dict:
+    from nestling.target.load import load_config, load_tokenizer, target_fingerprint, tokenizer_fingerprint
+
     tokenizer = load_tokenizer(target_dir)
     if not getattr(tokenizer, "chat_template", None):
         raise NestlingError(f"target {target_dir} has no chat template; regeneration renders prompts with it")
@@ -180,7 +188,6 @@ def regenerate(input: str | Path, target: str | Path, out: str | Path,
               "target": target_fingerprint(target_dir), "tokenizer": tokenizer_fingerprint(tokenizer)}
     fingerprint = hash_json({"inputs": inputs, "settings": {k: getattr(s, k) for k in OUTPUT_FIELDS}})
 
-    out.mkdir(parents=True, exist_ok=True)
     if (out / MANIFEST).exists():
         manifest = json.loads((out / MANIFEST).read_text())
         if manifest.get("fingerprint") == fingerprint:

@@ -100,8 +100,24 @@ def load(path: Path, config_key: str) -> tuple[dict[str, torch.Tensor], dict, di
             f"batch settings differ: {state.get('config_key')} != {config_key}); resume with the settings it was "
             f"made with, or start a new --out folder without --resume")
     weights = load_file(str(path / "model.safetensors"))
-    optim = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
-    return weights, optim, state
+    return weights, load_optimizer_state(path / "optimizer.pt"), state
+
+
+def load_optimizer_state(path: Path) -> dict:
+    """The optimizer state of a checkpoint, unpickled with `weights_only=True`: only tensors and plain
+    values load, so a crafted file cannot run code (a full unpickle would call whatever it names)."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "GLOBAL" in ln or "nsupported" in ln), lines[-1] if lines else "")
+        raise NestlingError(
+            f"refusing to load {path}: it holds objects other than tensors and plain values "
+            f"({why[:200]}), which can run code when "
+            f"loaded. nestling's checkpoints never do: resume from a checkpoint nestling wrote, or train "
+            f"into a new --out without resuming") from None
 
 
 def restore_rng(state: dict) -> None:

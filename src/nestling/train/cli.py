@@ -29,8 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--epochs", type=float, help="passes over the training split (default 1)")
     g.add_argument("--steps", type=int, help="optimizer steps (overrides epochs)")
     p.add_argument("--ttt-steps", type=int, help="draft steps trained per position, K (default 7)")
-    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
-                   help="continue from the latest checkpoint in --out (or the given checkpoint folder)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --out (takes no value; settings stay key=value)")
+    p.add_argument("--resume-from", type=Path, metavar="CHECKPOINT",
+                   help="continue from this checkpoint folder (e.g. OUT/checkpoints/step-00001000)")
     p.add_argument("--config", type=Path, help="YAML file of train settings")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="setting overrides, e.g. lr=3e-4")
     p.set_defaults(func=run)
@@ -42,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     s = load_settings(TrainSettings, args.config, args.overrides, epochs=args.epochs, steps=args.steps,
                       ttt_steps=args.ttt_steps, online=args.online, target=args.target)
-    resume = False if args.resume is None else (True if args.resume == "latest" else args.resume)
+    resume = args.resume_from if args.resume_from is not None else args.resume
     m = train(args.capture_dir, args.out, s, resume=resume)
     import os
 

@@ -233,12 +233,28 @@ def train(capture_dir: str | Path, out: str | Path, settings: TrainSettings | No
     if device.type == "cuda":
         device = torch.device("cuda", d.local_rank)
     try:
-        return _train(Path(capture_dir), out, s, resume, device, d)
+        with contextlib.ExitStack() as hold:
+            return _train(Path(capture_dir), out, s, resume, device, d, hold)
     finally:
         dist.shutdown(d)
 
 
-def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch.device, d: dist.Dist) -> dict:
+def claim_out(out: Path, inp: Inputs, s: TrainSettings, resume) -> contextlib.AbstractContextManager:
+    """Claim `out` for training (outdir.py): apart from every input, new / empty / a train folder, locked.
+    A checkpoint to resume from counts as an input unless it is one of `out`'s own."""
+    from nestling import outdir
+
+    own = out.resolve() / "checkpoints"
+    ckpt_in = Path(resume) if isinstance(resume, (str, Path)) and str(resume) not in ("latest", "True") else None
+    if ckpt_in is not None and own in ckpt_in.resolve().parents:
+        ckpt_in = None
+    return outdir.claim(out, "train", [
+        ("data folder" if inp.online is not None else "capture folder", inp.capture_dir), ("target", inp.target),
+        ("vocabulary file", s.vocab), ("held-out data folder", s.heldout_data), ("checkpoint", ckpt_in)])
+
+
+def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch.device, d: dist.Dist,
+           hold: contextlib.ExitStack) -> dict:
     if s.ttt_steps < 1 or s.batch_tokens < 4 or s.grad_accum < 1:
         raise NestlingError("ttt_steps and grad_accum must be >= 1 and batch_tokens >= 4")
     if s.intermediate_size < 0:
@@ -248,6 +264,8 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
         raise NestlingError("heldout_data is an online option (a data folder the target runs over); offline, "
                             "evaluation uses the capture's held-out split")
     inp = features.online_inputs(capture_dir, s) if features.is_online(s) else check_inputs(capture_dir, s)
+    if d.main:  # the other ranks write nothing of their own into `out`
+        hold.enter_context(claim_out(out, inp, s, resume))
     text = getattr(inp.hf_config, "text_config", None) or inp.hf_config
     V, H = int(text.vocab_size), int(text.hidden_size)
     d2t, t2d = make_vocab(inp, s, out, V)
@@ -276,7 +294,7 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
         if start_ckpt is None:
             log(f"[train] --resume: no checkpoint in {root}; starting from step 0")
     elif ckpt.list_checkpoints(root):
-        raise NestlingError(f"{out} already holds checkpoints; pass --resume to continue, or use a fresh --out")
+        raise NestlingError(f"{out} already holds checkpoints; pass --resume to continue from the latest, or use a fresh --out")
     state = None
     if start_ckpt is not None:
         weights, optim_state, state = ckpt.load(start_ckpt, key)  # checks the configuration first

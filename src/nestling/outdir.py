@@ -1,0 +1,207 @@
+"""Output folders: which folder a stage may write into, what it may delete there, one writer at a time.
+
+Every stage (and `nestling run`) goes through here before it writes, so the rules hold everywhere:
+
+- A stage writes into `--out` only when it is new, empty, or already a folder of the *same* stage
+  (it carries that stage's marker `.nestling-stage.json`, written when the folder is claimed, or
+  that stage's `manifest.json`). Anything else is refused: nestling never writes over, nor deletes,
+  files it did not write.
+- `--out` may not be an input of the stage, lie inside one, or contain one (the data files, the
+  target, the folder of the previous stage): writing there could overwrite or delete the input.
+- Deleting is limited to the names the stage writes (`OWNS`), in a folder that is the stage's.
+- One process writes a folder at a time (`lock`): a second gets a clear error, not a mixed folder.
+See docs/safety.md for the guarantees this gives the user.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping, Union
+
+from nestling.errors import NestlingError
+from nestling.manifest import MANIFEST, atomic_write_json
+
+MARKER = ".nestling-stage.json"
+LOCK = ".lock"
+Inputs = Union[Mapping[str, "str | Path | None"], Iterable[tuple[str, "str | Path | None"]]]
+RUN_FILE = "run.json"  # a `nestling run` folder is recognised by it (see pipeline/runner.py)
+
+# What each stage writes into its folder (glob patterns relative to it). Only these names are ever
+# deleted, and only in a folder that carries the stage's marker or manifest. Every stage also owns
+# COMMON: its manifest, marker and lock, progress.json, and the temporary names of atomic writes.
+COMMON = (MANIFEST, MARKER, LOCK, "progress.json", f".{MANIFEST}.*.tmp", f".{MARKER}.*.tmp")
+OWNS: dict[str, tuple[str, ...]] = {
+    "regenerate": ("messages.jsonl", "failed.jsonl", "state.json", ".state.json.*.tmp"),
+    "data": ("train-*.parquet", "heldout-*.parquet", ".train-*.parquet.tmp", ".heldout-*.parquet.tmp"),
+    "capture": tuple(f"{split}/{name}" for split in ("train", "heldout") for name in (
+        "shard-*.safetensors", ".shard-*.safetensors.tmp", "index.json", ".index.json.*.tmp")),
+    "train": ("draft_config.json", "vocab.safetensors", ".vocab.safetensors.tmp", "model.safetensors",
+              ".model.safetensors.tmp", "metrics.jsonl", "plot.png", ".plot.png.tmp.png",
+              "checkpoints/step-*", "checkpoints/.tmp-step-*", "tensorboard/events.out.tfevents.*"),
+    "export": ("config.json", "model.safetensors", ".export-build-*"),
+    "eval": ("report.json", ".report.json.*.tmp", "report.md", "acceptance.png"),
+    # the run folder's own files (its stage folders are each their stage's); the dry run's scratch too
+    "run": (RUN_FILE, f".{RUN_FILE}.*.tmp", "run.log", "state/*.json", "state/.*.tmp", "prompts.jsonl",
+            "estimate.json", ".estimate.json.*.tmp"),
+}
+
+
+# ---- where --out may be ------------------------------------------------------------------------
+
+def check_apart(out: Path, inputs: Inputs, flag: str = "--out") -> None:
+    """Refuse an output folder that is an input, lies inside one or contains one.
+
+    `inputs` names what each input is ("data folder", "target") and its path; None paths are skipped."""
+    o = Path(out).resolve()
+    for what, path in (inputs.items() if isinstance(inputs, Mapping) else inputs):
+        if path is None or not Path(path).exists():
+            continue
+        p = Path(path).resolve()
+        relation = ("is" if o == p else "lies inside" if p in o.parents else "contains" if o in p.parents else None)
+        if relation:
+            raise NestlingError(
+                f"{flag} {out} {relation} the {what} {path}: writing there could overwrite or delete an input. "
+                f"Choose an {flag} folder apart from the stage's inputs (e.g. a new folder beside them).")
+
+
+def owner(folder: Path) -> str | None:
+    """The stage whose folder this is (by marker, else by manifest; "run" for a run folder), or None."""
+    folder = Path(folder)
+    if (folder / RUN_FILE).is_file() and not (folder / MARKER).exists():
+        return "run"
+    for name in (MARKER, MANIFEST):
+        try:
+            stage = json.loads((folder / name).read_text()).get("stage")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(stage, str):
+            return stage
+    return None
+
+
+def check_ours(out: Path, stage: str, flag: str = "--out", fix: str | None = None) -> None:
+    """Refuse a path that is a file, or a non-empty folder that is not this stage's. `fix` says what to do."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise NestlingError(f"{flag} {out} exists and is not a folder; give a folder path")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    found = owner(out)
+    if found == stage:
+        return
+    names = sorted(p.name for p in out.iterdir())
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    what = (f"holds the output of `nestling {found}`, not of `nestling {stage}`" if found else
+            "is not empty and was not written by nestling")
+    raise NestlingError(f"{flag} {out} {what} (it holds {shown}). nestling never writes over or deletes files it "
+                        f"did not write: {fix or f'give an empty or new {flag} folder'}.")
+
+
+# ---- claiming, marking, locking ------------------------------------------------------------------
+
+def mark(out: Path, stage: str) -> None:
+    """Record that `out` is `stage`'s folder (after `check_ours`)."""
+    if owner(out) != stage or not (Path(out) / MARKER).exists():
+        atomic_write_json(Path(out) / MARKER, {"stage": stage})
+
+
+@contextmanager
+def lock(folder: Path, what: str, hint: str) -> Iterator[None]:
+    """Hold `folder/.lock` exclusively while the block runs; refuse with `hint` when another process
+    holds it. The OS drops the lock when the process dies, so a killed run never leaves a stale lock."""
+    import fcntl
+
+    path = Path(folder) / LOCK
+    while True:
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown process"
+            f.close()
+            raise NestlingError(f"another {what} is using {folder} ({holder}); {hint}") from None
+        try:  # the holder before us may have removed the file after we opened it: lock the file that is there
+            same = os.fstat(f.fileno()).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        f.close()
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
+
+
+@contextmanager
+def claim(out: str | Path, stage: str, inputs: Inputs = ()) -> Iterator[Path]:
+    """Make `out` this stage's folder for the duration of the block: checked apart from the inputs,
+    new / empty / already this stage's, marked, and locked against a second writer. A folder this call
+    created and the stage left empty (it failed before writing) is removed again."""
+    out = Path(out)
+    check_apart(out, inputs)
+    check_ours(out, stage)
+    created, marked = not out.exists(), (out / MARKER).exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with lock(out, f"`nestling {stage}`", "wait for it to finish, or write to another --out folder"):
+            mark(out, stage)
+            yield out
+    finally:
+        if not marked and out.is_dir() and {p.name for p in out.iterdir()} <= {MARKER}:
+            (out / MARKER).unlink(missing_ok=True)
+            if created:
+                out.rmdir()
+
+
+# ---- deleting only what a stage wrote ------------------------------------------------------------
+
+def owned(folder: Path, stage: str, patterns: tuple[str, ...] | None = None) -> list[Path]:
+    """The paths in `folder` that `stage` wrote: none unless the folder is the stage's."""
+    folder = Path(folder)
+    if not folder.is_dir() or owner(folder) != stage:
+        return []
+    pats = COMMON + (OWNS.get(stage, ()) if patterns is None else tuple(patterns))
+    return sorted({p for pat in pats for p in folder.glob(pat)})
+
+
+def remove_owned(folder: Path, stage: str, patterns: tuple[str, ...] | None = None, flag: str = "--out",
+                 fix: str | None = None) -> None:
+    """Delete what `stage` wrote in `folder` (the manifest first, so a crash leaves it incomplete) and
+    the stage's subfolders left empty; the folder itself (marker and lock included) only when nothing
+    else is left in it. Refuses a folder that is not the stage's."""
+    folder = Path(folder)
+    if not folder.exists():
+        return
+    check_ours(folder, stage, flag, fix)
+    paths = [p for p in owned(folder, stage, patterns) if p.name not in (MARKER, LOCK) or p.parent != folder]
+    for p in sorted(paths, key=lambda p: p.name != MANIFEST):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
+    for sub in sorted({p.parent for p in paths if p.parent != folder}, key=lambda p: -len(p.parts)):
+        _rmdir_if_empty(sub)
+    if {p.name for p in folder.iterdir()} <= {MARKER, LOCK}:
+        for name in (MARKER, LOCK):
+            (folder / name).unlink(missing_ok=True)
+        _rmdir_if_empty(folder)
+
+
+def _rmdir_if_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()
+    except OSError:  # not empty: what is left is not ours
+        pass
