@@ -225,3 +225,14 @@ def test_template_with_a_huge_range_or_an_endless_loop_skips_the_record(tiny, tm
     m = json.loads((tmp_path / "d" / "manifest.json").read_text())
     assert m["counts"]["kept"] == 2 and m["counts"]["dropped"] == {"template_error": 1, "template_timeout": 1}
     assert "OverflowError" in m["examples"]["template_error"][0]
+
+
+@pytest.mark.parametrize("content, message", [(b'{"prompt": "caf\xe9"}\n', "is not UTF-8 (byte 0xe9"),
+                                              (b"[" * 100_000 + b"]" * 100_000 + b"\n", "p.jsonl:1 is nested too deeply")])
+def test_eval_prompts_that_are_not_utf8_or_too_deep(tmp_path, capsys, content, message):
+    from nestling.evaluate.prompts import load_prompts
+    from nestling.errors import NestlingError
+
+    (tmp_path / "p.jsonl").write_bytes(content)
+    with pytest.raises(NestlingError, match=message.replace("(", r"\(")):
+        load_prompts(tmp_path / "p.jsonl", None, None)
