@@ -1,14 +1,18 @@
 """The `nestling` command: thin, one subcommand per stage over the Python API.
 
 Each stage registers its own subcommand in `<stage>/cli.py` (a `register(subparsers)` function),
-so this file only wires them together and turns NestlingError into a clean message.
+so this file only wires them together and owns the one error path (`report_error`): nestling's own
+errors and the operating system's (a full disk, a path under a file) print one or two lines and exit 1;
+a traceback appears only with `--debug` or for a genuine internal bug.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
+import traceback
 
 from nestling import __version__
 from nestling.errors import NestlingError
@@ -60,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"nestling {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="print the full traceback of an error (for a bug report) instead of one message")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in STAGE_CLIS:
         try:
@@ -79,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             stream.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
         except AttributeError:
             pass
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv  # global, accepted anywhere on the line: `nestling train ... --debug` too
+    argv = [a for a in argv if a != "--debug"]
     parser = build_parser()
     # `key=value` overrides may follow options (`nestling train CAP --out DIR lr=3e-4`), which plain
     # parse_args rejects once an option has ended the positionals: hand the leftovers to the stage.
@@ -93,13 +102,42 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         rc = args.func(args)
-    except NestlingError as e:
-        print(f"nestling {args.command}: error: {e}", file=sys.stderr, flush=True)
-        return 1
     except KeyboardInterrupt:
         print(f"nestling {args.command}: interrupted; run the same command again to continue.", file=sys.stderr)
         return 130
+    except (NestlingError, OSError) as e:
+        return report_error(args.command, e, debug=debug)
     return int(rc or 0)
+
+
+# What to do about an OSError, by errno; the default names the path and asks to check it.
+OS_ADVICE = {
+    errno.ENOSPC: "free space on that disk or point --out at a larger one, then run the same command again "
+                  "(complete work is kept)",
+    errno.EDQUOT: "free space within your quota, then run the same command again (complete work is kept)",
+    errno.ENOTDIR: "a part of that path is a file, not a folder: choose another path",
+    errno.EISDIR: "that path is a folder where a file was expected: give the file itself",
+    errno.EACCES: "you lack permission there: choose a path you can write, or fix its permissions",
+    errno.EROFS: "that filesystem is read-only: choose another path",
+    errno.EEXIST: "something is already there: remove it or choose another path",
+}
+
+
+def describe_os_error(e: OSError) -> str:
+    """`what (where): what to do` for an error the operating system raised."""
+    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    what = e.strerror or str(e)
+    advice = OS_ADVICE.get(e.errno or 0, "check that path and run the same command again")
+    return f"{what}" + (f": {where}" if where else "") + f"\n  {advice}"
+
+
+def report_error(command: str, e: BaseException, debug: bool = False) -> int:
+    """The one place an error reaches the user: one or two lines, exit 1 (the traceback with --debug)."""
+    if debug:
+        traceback.print_exception(e, file=sys.stderr)
+    msg = str(e) if isinstance(e, NestlingError) else describe_os_error(e)  # type: ignore[arg-type]
+    print(f"nestling {command}: error: {msg}", file=sys.stderr, flush=True)
+    return 1
 
 
 if __name__ == "__main__":

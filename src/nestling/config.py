@@ -133,13 +133,28 @@ def parse_overrides(items: list[str]) -> dict:
         if "=" not in item:
             raise NestlingError(f"override {item!r} must look like key=value (e.g. train.lr=3e-4)")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw else ""
+        value = _override_value(key, raw)
         node = out
         parts = key.strip().split(".")
         for p in parts[:-1]:
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise NestlingError(f"override {item!r}: {p} was given a value earlier and cannot also hold settings")
         node[parts[-1]] = value
     return out
+
+
+def _override_value(key: str, raw: str) -> Any:
+    """The YAML value of one override; YAML that does not parse (or asks for a Python object with a
+    `!!python/...` tag, which safe_load refuses) is the user's typo, named with its key."""
+    if not raw:
+        return ""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise NestlingError(f"override {key}={raw[:80]!r} is not a plain YAML value ({why}); quote a string, "
+                            f"e.g. {key}='\"...\"'") from None
 
 
 def merge(base: dict, override: dict) -> dict:

@@ -25,7 +25,8 @@ from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, hash_json, read_manifest, write_manifest
 from nestling.progress import Progress, format_bytes, log
 from nestling.target.layers import default_capture_layers, num_layers, validate_layer_ids
-from nestling.target.load import load_config, load_tokenizer, resolve_target, target_fingerprint, tokenizer_fingerprint
+from nestling.target.load import (TOKENIZER_FINGERPRINT_VERSION, load_config, load_tokenizer, require_safetensors,
+                                  resolve_target, target_fingerprint, tokenizer_fingerprint)
 
 # Settings that change the bytes of the store (device does not: it changes speed, not meaning).
 # How each backend arrives at the one stored meaning of the final state (HF hidden_states[L]).
@@ -88,9 +89,12 @@ def check_data_tokenizer(data_dir: Path, manifest: dict, tok_fp: str) -> None:
     """The data's token ids mean the target's text only when the target's tokenizer made them."""
     data_tok = (manifest.get("inputs") or {}).get("tokenizer")
     if data_tok != tok_fp:
+        older = int(manifest.get("tokenizer_fingerprint_version") or 1) < TOKENIZER_FINGERPRINT_VERSION
         raise NestlingError(
             f"{data_dir} was tokenized with another tokenizer (fingerprint {data_tok}) than the target's ({tok_fp}); "
             f"its token ids would mean different text. Run `nestling data` again with this --target."
+            + (" (It was made by an older nestling whose tokenizer fingerprint covered the vocabulary only; "
+               "`nestling data` redoes it.)" if older else "")
         )
 
 
@@ -134,6 +138,7 @@ def capture(data_dir: str | Path, target: str | Path, out: str | Path, settings:
     if not data_dir.exists():  # cheapest check first: before the target is even resolved
         raise NestlingError(f"data folder {data_dir} does not exist; create it with `nestling data INPUT --target MODEL --out {data_dir}`")
     target_dir = resolve_target(target)
+    require_safetensors(target_dir)  # before transformers or vLLM could unpickle a .bin
     inputs = [("data folder", data_dir), ("target", target_dir), ("target", target)]
     with outdir.claim(out, "capture", inputs):
         return _capture(data_dir, target_dir, out, settings)

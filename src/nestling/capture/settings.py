@@ -44,6 +44,10 @@ class CaptureSettings:
         if self.queue_size < 1:
             raise NestlingError(f"queue_size must be at least 1, got {self.queue_size}")
         parse_size(self.shard_size)
+        if self.layers is not None and len(self.layers) < 2:
+            raise NestlingError(
+                f"layers {list(self.layers)} name no aux layer: give the aux layer ids followed by the final state "
+                "L (e.g. --layers 2,15,27,30 for a 30-layer target), or leave --layers out for the default")
 
 
 def resolve(settings: CaptureSettings) -> CaptureSettings:

@@ -22,7 +22,11 @@ from __future__ import annotations
 
 import bisect
 import re
+import signal
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 from pathlib import Path
 
 from nestling.errors import NestlingError
@@ -191,14 +195,68 @@ def _plan_prefix_diff(fmt: ChatFormat, msgs: list[dict], last_turn_only: bool, p
     plan.fallback = True
 
 
+class TemplateTimeout(Exception):
+    """Rendering one conversation took longer than the data stage's `template_timeout`."""
+
+
+@dataclass
+class _Deadline:
+    seconds: float = 0.0  # 0: no bound
+
+    def arm(self) -> None:
+        if self.seconds:
+            signal.setitimer(signal.ITIMER_VIRTUAL, self.seconds)
+
+    def disarm(self) -> None:
+        if self.seconds:
+            signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+
+
+@contextmanager
+def render_deadline(seconds: float | None) -> Iterator[_Deadline]:
+    """Bound the time of each render: `arm()` starts a countdown of `seconds` of this process's CPU
+    time (so a busy machine does not make a normal render time out) whose end raises TemplateTimeout
+    inside the template's Python code; `disarm()` stops it. A chat template is code from the model
+    folder: a loop nested in a loop renders for hours. Works in a process's main thread (the data
+    stage's workers, or the stage itself with one worker); elsewhere renders are not bounded."""
+    if not seconds or seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        yield _Deadline()
+        return
+
+    def fire(signum, frame):
+        raise TemplateTimeout(f"rendering took more than template_timeout={seconds:g} CPU seconds")
+
+    from transformers.utils import chat_template_utils  # noqa: F401 - imported here, not inside the first deadline
+
+    previous = signal.signal(signal.SIGVTALRM, fire)
+    try:
+        yield _Deadline(float(seconds))
+    finally:
+        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+        signal.signal(signal.SIGVTALRM, previous)
+
+
+# A template that raises these drops its conversation (`template_error`); OverflowError is Jinja's
+# sandbox refusing a huge range, RecursionError a template that calls itself without end.
+TEMPLATE_ERRORS = (TypeError, ValueError, KeyError, IndexError, OverflowError, RecursionError, MemoryError)
+
+
 def encode_conversations(fmt: ChatFormat, conversations: list[list[dict]], last_turn_only: bool = False,
-                         piecewise: bool = True) -> list[Encoded]:
+                         piecewise: bool = True, template_timeout: float | None = None) -> list[Encoded]:
     """Render and tokenize a batch of normalized conversations (one fast batched tokenizer call).
 
     `piecewise=False` forces the reference method (whole text with character offsets) that the
-    piecewise one must always agree with (tests/test_data_piecewise.py)."""
+    piecewise one must always agree with (tests/test_data_piecewise.py). `template_timeout`: seconds
+    one conversation may take to render (see `render_deadline`)."""
+    with render_deadline(template_timeout) as deadline:
+        plans = _plan_all(fmt, conversations, last_turn_only, deadline)
+    return _encode_plans(fmt, plans, piecewise)
+
+
+def _plan_all(fmt: ChatFormat, conversations: list[list[dict]], last_turn_only: bool,
+              deadline: _Deadline) -> list[_Plan]:
+    """Render every conversation (a plan of what to tokenize), each within its own deadline."""
     import jinja2
-    import numpy as np
 
     plans: list[_Plan] = []
     for msgs in conversations:
@@ -211,14 +269,26 @@ def encode_conversations(fmt: ChatFormat, conversations: list[list[dict]], last_
                                   detail=f"a {bad['role']} message contains the control token {tok!r} as text")
             continue
         try:
-            if fmt.uses_generation_tags:
-                plan.text, plan.gen_spans = render(fmt, msgs, with_spans=True)
-                if last_turn_only:
-                    plan.gen_spans = plan.gen_spans[-1:]
-            else:
-                _plan_prefix_diff(fmt, msgs, last_turn_only, plan)
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
+            deadline.arm()
+            try:
+                if fmt.uses_generation_tags:
+                    plan.text, plan.gen_spans = render(fmt, msgs, with_spans=True)
+                    if last_turn_only:
+                        plan.gen_spans = plan.gen_spans[-1:]
+                else:
+                    _plan_prefix_diff(fmt, msgs, last_turn_only, plan)
+            finally:
+                deadline.disarm()
+        except TemplateTimeout as e:
+            plan.result = Encoded(drop="template_timeout", detail=str(e))
+        except (jinja2.TemplateError, *TEMPLATE_ERRORS) as e:
             plan.result = Encoded(drop="template_error", detail=f"{type(e).__name__}: {str(e)[:200]}")
+    return plans
+
+
+def _encode_plans(fmt: ChatFormat, plans: list[_Plan], piecewise: bool) -> list[Encoded]:
+    """Tokenize the rendered plans and mark their assistant tokens."""
+    import numpy as np
 
     backend = fmt.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
     live = [p for p in plans if p.result.drop is None]

@@ -34,10 +34,9 @@ def format_sample(tokenizer, input_ids: list[int], loss_mask: list[int], color: 
 
 def inspect_sample(data_dir: Path, index: int = 0, split: str = "train", color: bool | None = None) -> str:
     """The rendered text of sample `index` of `split`, supervised tokens highlighted."""
-    from transformers import AutoTokenizer
-
     from nestling.data.dataset import load_samples
     from nestling.manifest import read_manifest
+    from nestling.target.load import load_tokenizer
 
     manifest = read_manifest(data_dir, "data")
     samples = load_samples(data_dir, split)
@@ -48,7 +47,7 @@ def inspect_sample(data_dir: Path, index: int = 0, split: str = "train", color: 
     target = Path(manifest["target"])
     if not target.exists():
         raise NestlingError(f"the target tokenizer {target} recorded in the manifest no longer exists")
-    tokenizer = AutoTokenizer.from_pretrained(target)
+    tokenizer = load_tokenizer(target)
     s = samples[index]
     color = sys.stdout.isatty() if color is None else color
     legend = "supervised tokens on green" if color else f"supervised tokens between {BRACKET_ON} {BRACKET_OFF}"

@@ -20,6 +20,7 @@ to the chat template.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 ROLE_MAP = {
@@ -29,6 +30,7 @@ ROLE_MAP = {
     **dict.fromkeys(("tool", "function", "observation", "ipython", "tool_response", "function_response"), "tool"),
 }
 ROLES = ("user", "assistant", "system", "tool")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 PASS_THROUGH = ("reasoning_content", "tool_calls", "name", "tool_call_id")
 
 
@@ -41,7 +43,9 @@ class Normalized:
 
 
 def _text(content) -> str | None:
-    """Message content as text; None when it holds something other than text (images, audio)."""
+    """Message content as text; None when it holds something other than text: images, audio, a
+    number, a bare list of strings or any other JSON value (turning those into text would train on
+    something nobody wrote). Only a string or OpenAI text parts ({"type": "text", "text": ...}) count."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -49,15 +53,11 @@ def _text(content) -> str | None:
     if isinstance(content, list):
         parts = []
         for p in content:
-            if isinstance(p, str):
-                parts.append(p)
-            elif isinstance(p, dict) and p.get("type", "text") == "text" and isinstance(p.get("text"), str):
+            if isinstance(p, dict) and p.get("type", "text") == "text" and isinstance(p.get("text"), str):
                 parts.append(p["text"])
             else:
                 return None
         return "".join(parts)
-    if isinstance(content, (int, float)):
-        return str(content)
     return None
 
 
@@ -82,6 +82,8 @@ def normalize_record(record: dict, role_map: dict | None = None, system_prompt: 
         content = _text(t.get("value", t.get("content")))
         if content is None:
             return Normalized(None, "non_text_content", f"turn {i} holds non-text content")
+        if _SURROGATE.search(content):  # a \ud800-style escape of half a character: not text, no tokenizer takes it
+            return Normalized(None, "invalid_utf8", f"turn {i} holds a lone surrogate (an escape of half a character)")
         m = {"role": role, "content": content}
         m.update({k: t[k] for k in PASS_THROUGH if t.get(k) is not None})
         if not content.strip() and not m.get("tool_calls"):

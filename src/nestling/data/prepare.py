@@ -27,6 +27,7 @@ from nestling import outdir
 from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, hash_bytes, hash_file, hash_json, write_manifest
 from nestling.progress import Progress, format_duration, log
+from nestling.target.load import TOKENIZER_FINGERPRINT_VERSION
 
 CHUNK = 64  # conversations per worker task: large enough for batched tokenization, small for balance
 EXAMPLES_PER_REASON = 3
@@ -93,7 +94,8 @@ def _process(span: tuple[int, int]) -> list[Outcome]:
             continue
         todo.append((o, norm.messages))
     if todo:
-        encoded = encode_conversations(_STATE["fmt"], [m for _, m in todo], settings.last_turn_only)
+        encoded = encode_conversations(_STATE["fmt"], [m for _, m in todo], settings.last_turn_only,
+                                       template_timeout=settings.template_timeout)
         for (o, _), enc in zip(todo, encoded):
             o.altered += enc.altered
             if enc.drop is not None:
@@ -238,7 +240,7 @@ def _head_start(inputs: list[Path], target_dir: Path, template: str | None, sett
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".msgpack", ".onnx")
-MATCH_FORMAT = 1  # bump when FileTokenizer, chat_format, format_key or tokenizer_fingerprint change meaning
+MATCH_FORMAT = 3  # bump when FileTokenizer, chat_format, format_key or tokenizer_fingerprint change meaning
 
 
 def _match_record(target_dir: Path, template: str | None) -> Path | None:
@@ -255,7 +257,7 @@ def _match_record(target_dir: Path, template: str | None) -> Path | None:
     try:
         files = sorted(f for f in target_dir.iterdir() if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES))
         content = {f.name: hash_bytes(f.read_bytes()) if f.stat().st_size < 64 << 20 else hash_file(f) for f in files}
-        key = hash_json({"files": content, "template": template, "format": MATCH_FORMAT,
+        key = hash_json({"files": content, "template": template, "format": MATCH_FORMAT, "fingerprint": TOKENIZER_FINGERPRINT_VERSION,
                          "versions": [nestling.__version__, version("transformers"), version("tokenizers")]})
         return cache_dir() / "tokenizer-match" / f"{key}.json"
     except OSError:
@@ -302,6 +304,8 @@ def prepare_data(inputs: list[str | Path] | str | Path, target: str | Path, out:
     for p in inputs:
         if not p.exists():
             raise NestlingError(f"input file {p} does not exist")
+        if p.is_dir():
+            raise NestlingError(f"input {p} is a folder; give the data files themselves (e.g. {p}/*.jsonl)")
     out = Path(out)
     target_dir = resolve_target(target)
     template = read_template(settings.chat_template) if settings.chat_template else None
@@ -345,11 +349,9 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
     if verified is not None:
         fmt, tok_fp = early.guess, verified  # type: ignore[union-attr]
     else:
-        from transformers import AutoTokenizer
+        from nestling.target.load import load_tokenizer, tokenizer_fingerprint
 
-        from nestling.target.load import tokenizer_fingerprint
-
-        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        tokenizer = load_tokenizer(target_dir)
         fmt = chat_format(tokenizer, template)
         tok_fp = tokenizer_fingerprint(tokenizer, fmt.template)
     input_fps = [hash_file(p) for p in inputs]
@@ -465,6 +467,7 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
                       "stopped": r.stopped} for p, fp, r in zip(inputs, input_fps, reports)],
         },
         target=str(target_dir.resolve()),
+        tokenizer_fingerprint_version=TOKENIZER_FINGERPRINT_VERSION,
         fingerprint=fingerprint,
         mask_method=fmt.mask_method,
         counts={"read": len(records), "kept": kept_records, "dropped": dict(sorted(counts.items())),

@@ -4,12 +4,15 @@ Every reader yields raw records with their index in the file; it never decides w
 conversation means (that is `normalize`). Broken input is reported, never silently lost:
 a malformed JSONL line becomes a record carrying an error (counted by the caller), and a
 JSON list cut off mid-record (the ShareGPT file on the package index is) yields every
-complete record plus a note of where and why reading stopped.
+complete record plus a note of where and why reading stopped. A record with bytes that are not
+UTF-8 is dropped (`invalid_utf8`), never decoded to U+FFFD behind the user's back; one nested too
+deeply for the JSON parser is dropped (`too_deeply_nested`) and reading goes on.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,19 @@ class RawRecord:
     index: int  # position in the file: list index (JSON), line number - 1 (JSONL), row (parquet)
     data: dict | None
     error: str | None = None  # why `data` is missing: the record could not be parsed
+    reason: str | None = None  # the counted drop reason, when not `malformed_json`
+
+
+# Files are decoded with surrogateescape: each byte that is not UTF-8 becomes one lone surrogate
+# U+DC80..U+DCFF, which valid text never holds, so a record's raw text shows whether it had any.
+ENCODING = dict(encoding="utf-8", errors="surrogateescape")
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")
+
+
+def _utf8_problem(text: str) -> str | None:
+    """Where the first byte that is not UTF-8 sits in `text` (None when all of it is UTF-8)."""
+    m = _NOT_UTF8.search(text)
+    return None if m is None else f"byte 0x{ord(m.group(0)) - 0xDC00:02x} at character {m.start()} is not UTF-8"
 
 
 @dataclass
@@ -38,6 +54,8 @@ class InputReport:
 
 def error_reason(rec: RawRecord) -> str:
     """The counted drop reason of a record that could not be parsed."""
+    if rec.reason:
+        return rec.reason
     return "truncated_file" if rec.error and rec.error.startswith("truncated:") else "malformed_json"
 
 
@@ -73,7 +91,7 @@ def read_input(path: Path, limit: int | None = None) -> tuple[list[RawRecord], I
 
 def _read_json_list(path: Path, limit: int | None, report: InputReport) -> list[RawRecord]:
     """A JSON list read item by item, so that a file cut off mid-record still yields its complete records."""
-    text = path.read_text(encoding="utf-8", errors="replace")
+    text = path.read_text(**ENCODING)
     decoder = json.JSONDecoder()
     n = len(text)
     pos = text.index("[") + 1
@@ -87,13 +105,27 @@ def _read_json_list(path: Path, limit: int | None, report: InputReport) -> list[
         if pos >= n:
             report.stopped = f"file ends at character {n} before the list is closed (after record {len(out) - 1})"
             break
+        start, deep = pos, False
         try:
             item, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
             report.stopped = (f"record {len(out)} (line {e.lineno}, column {e.colno}, character {e.pos}) "
                               f"cannot be parsed: {e.msg}; the file looks cut off or corrupt there")
             break
-        if isinstance(item, dict):
+        except RecursionError:
+            end = skip_json_value(text, pos)
+            if end is None:
+                report.stopped = f"record {len(out)} (character {pos}) is nested too deeply and never closed"
+                break
+            out.append(RawRecord(len(out), None, f"{path.name}: record {len(out)} is nested too deeply to parse",
+                                 "too_deeply_nested"))
+            pos, item, deep = end, None, True
+        bad = None if deep else _utf8_problem(text[start:pos])
+        if deep:
+            pass
+        elif bad:
+            out.append(RawRecord(len(out), None, f"{path.name}: record {len(out)}: {bad}", "invalid_utf8"))
+        elif isinstance(item, dict):
             out.append(RawRecord(len(out), item))
         else:
             out.append(RawRecord(len(out), None, f"{path.name}: record {len(out)} is a {type(item).__name__}, not an object"))
@@ -111,22 +143,54 @@ def _read_json_list(path: Path, limit: int | None, report: InputReport) -> list[
 
 def _read_jsonl(path: Path, limit: int | None, report: InputReport) -> list[RawRecord]:
     out: list[RawRecord] = []
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, **ENCODING) as f:
         for lineno, line in enumerate(f):
             if limit is not None and len(out) >= limit:
                 break
             if not line.strip():
+                continue
+            bad = _utf8_problem(line)
+            if bad:
+                out.append(RawRecord(lineno, None, f"{path.name}:{lineno + 1}: {bad}", "invalid_utf8"))
                 continue
             try:
                 item = json.loads(line)
             except json.JSONDecodeError as e:
                 out.append(RawRecord(lineno, None, f"{path.name}:{lineno + 1}: malformed JSON ({e.msg} at column {e.colno})"))
                 continue
+            except RecursionError:
+                out.append(RawRecord(lineno, None, f"{path.name}:{lineno + 1}: nested too deeply to parse",
+                                     "too_deeply_nested"))
+                continue
             if not isinstance(item, dict):
                 out.append(RawRecord(lineno, None, f"{path.name}:{lineno + 1}: a {type(item).__name__}, not an object"))
                 continue
             out.append(RawRecord(lineno, item))
     return out
+
+
+def skip_json_value(text: str, pos: int) -> int | None:
+    """The end of the JSON array or object starting at `pos`, found by counting brackets outside
+    strings (no recursion); None when it never closes. Lets a list reader step over one record too
+    deep for the parser and go on with the next."""
+    depth, i, n, in_str = 0, pos, len(text), False
+    while i < n:
+        c = text[i]
+        if in_str:
+            if c == "\\":
+                i += 1
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
 
 
 def _read_parquet(path: Path, limit: int | None, report: InputReport) -> list[RawRecord]:

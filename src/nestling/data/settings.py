@@ -24,6 +24,7 @@ class DataSettings:
     shard_samples: int = 4096  # samples per parquet shard
     workers: int = 0  # processes for rendering + tokenizing; 0 = all CPU cores
     role_map: dict = field(default_factory=dict)  # extra `from`/`role` names -> user|assistant|system|tool
+    template_timeout: float = 10.0  # CPU seconds one conversation may take to render; slower ones are dropped (0 = no bound)
 
     def __post_init__(self) -> None:
         from nestling.errors import NestlingError
@@ -36,5 +37,7 @@ class DataSettings:
             raise NestlingError(f"held_out is a fraction in [0, 1), got {self.held_out}")
         if self.shard_samples < 1:
             raise NestlingError(f"shard_samples must be positive, got {self.shard_samples}")
+        if not (self.template_timeout >= 0 and self.template_timeout < float("inf")):
+            raise NestlingError(f"template_timeout is CPU seconds per conversation (0 = no bound), got {self.template_timeout}")
         if self.limit is not None and self.limit < 1:
             raise NestlingError(f"limit must be positive, got {self.limit}")

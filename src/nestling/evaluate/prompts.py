@@ -32,13 +32,21 @@ def load_prompts(source: str | Path, tokenizer, limit: int | None = None) -> lis
         if not src.exists():
             raise NestlingError(f"prompts file {src} does not exist")
         prompts = []
-        for n, line in enumerate(src.read_text().splitlines(), 1):
+        try:
+            text = src.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise NestlingError(f"prompts file {src} is not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                                "save it as UTF-8") from None
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise NestlingError(f"{src}:{n} is not valid JSON ({e.msg}); each line must be an object with "
+                                    f"'messages' or 'prompt'") from None
+            except RecursionError:
+                raise NestlingError(f"{src}:{n} is nested too deeply to parse; each line must be an object with "
                                     f"'messages' or 'prompt'") from None
             if isinstance(rec, dict) and isinstance(rec.get("messages"), list) and rec["messages"]:
                 msgs = [m for m in rec["messages"] if isinstance(m, dict)]

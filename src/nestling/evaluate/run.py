@@ -26,6 +26,19 @@ class EvalSettings:
     max_model_len: int = 2048  # vLLM context; grown to fit the longest prompt + max_new_tokens
     baseline: bool = True  # also run the target alone (tokens/s without the draft, identical-output share)
 
+    def __post_init__(self) -> None:
+        """Settings that would measure nothing (no token generated, no draft) are refused here, when
+        they are read: otherwise the report says acceptance 1.000 about zero drafts."""
+        import math
+
+        for name in ("k", "max_new_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise NestlingError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise NestlingError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise NestlingError(f"max_prompts must be at least 1 (or unset for all), got {self.max_prompts}")
+
 
 def _eos_ids(target: Path, tokenizer) -> list[int]:
     from transformers import GenerationConfig
@@ -112,8 +125,6 @@ def evaluate(draft_dir: str | Path, target: str | Path, prompts: str | Path, out
     from nestling.target.load import resolve_target
 
     s = settings or EvalSettings()
-    if s.k < 1:
-        raise NestlingError(f"k must be at least 1 (got {s.k})")
     draft_dir, out = Path(draft_dir), Path(out)
     target_dir = resolve_target(target)
     check_draft_matches_target(draft_dir, target_dir)
@@ -135,6 +146,12 @@ def _evaluate(draft_dir: Path, target_dir: Path, prompts: str | Path, out: Path,
         engines["reference"] = run_reference(target_dir, draft_dir, ids, s)
     if s.engine in ("vllm", "both"):
         engines["vllm"] = run_vllm_engine(target_dir, draft_dir, ids, s)
+    for name, r in engines.items():
+        if not r.get("num_drafts"):
+            raise NestlingError(
+                f"eval ({name}): nothing was drafted over {len(ids)} prompt(s), so there is no acceptance to report; "
+                "every generation ended before a draft step (the target stops at once, or the prompts fill the "
+                "context): check the prompts file and max_new_tokens / max_model_len")
     report = {"draft": str(draft_dir), "target": str(target_dir), "k": s.k, "num_prompts": len(ids),
               "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "settings": to_dict(s),
               "engines": engines}

@@ -154,6 +154,26 @@ def expected_tensors(c: DraftConfig, dtype: torch.dtype) -> dict[str, tuple[tupl
     return out
 
 
+def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """One line per floating tensor holding NaN or inf: such a draft loads, drafts garbage and is
+    accepted nowhere, so it breaks the contract like a wrong shape does."""
+    out = []
+    for n, t in tensors.items():
+        if t.is_floating_point():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                out.append(f"{n} holds {bad} non-finite value(s) (NaN/inf; training diverged or its inputs held NaN)")
+    return out
+
+
+def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse draft weights that hold NaN or inf (eval, before any engine starts)."""
+    problems = non_finite(tensors)
+    if problems:
+        raise NestlingError(f"{where} is unusable: " + "; ".join(problems[:3])
+                            + ("; ..." if len(problems) > 3 else "") + "; train it again (see docs/safety.md)")
+
+
 def check_tensors(tensors: dict[str, torch.Tensor], c: DraftConfig, dtype: torch.dtype, where: str = "") -> None:
     """Raise NestlingError naming every tensor whose name, shape or dtype breaks the contract."""
     want = expected_tensors(c, dtype)
@@ -164,6 +184,7 @@ def check_tensors(tensors: dict[str, torch.Tensor], c: DraftConfig, dtype: torch
             t = tensors[n]
             if tuple(t.shape) != shape or t.dtype != dt:
                 problems.append(f"{n}: {tuple(t.shape)} {t.dtype}, contract says {shape} {dt}")
+    problems += non_finite(tensors)
     if "d2t" in tensors and "t2d" in tensors and not problems:
         target_ids = torch.arange(c.draft_vocab_size) + tensors["d2t"]
         if int(tensors["t2d"].sum()) != c.draft_vocab_size or not bool(tensors["t2d"][target_ids].all()):

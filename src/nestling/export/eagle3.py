@@ -157,10 +157,11 @@ def verify(folder: Path, cfg: DraftConfig, dtype: torch.dtype) -> None:
 
 
 def check_draft_matches_target(draft_dir: Path, target: str | Path) -> None:
-    """Refuse a draft folder exported for another target (used by eval)."""
+    """Refuse a draft folder exported for another target, or whose weights hold NaN/inf (used by eval)."""
     from nestling.target.load import target_fingerprint
 
-    raw, cfg, _ = contract.read_draft_folder(draft_dir)
+    raw, cfg, tensors = contract.read_draft_folder(draft_dir)
+    contract.check_finite(tensors, f"the draft in {draft_dir}")
     want = cfg.target_fingerprint
     if not want:
         raise NestlingError(f"{draft_dir} carries no target fingerprint (not exported by nestling?)")

@@ -71,12 +71,13 @@ def resolve_paths(config: RunConfig) -> tuple[str, list[str], str | None]:
 
 
 def run_fingerprints(target: str, inputs: list[str], prompts: str | None) -> dict[str, str]:
-    from nestling.target.load import target_fingerprint
+    from nestling.target.load import target_fingerprint, tokenizer_files_fingerprint
 
     files = [Path(p) for p in inputs]
     listed = [f for p in files for f in (sorted(x for x in p.rglob("*") if x.is_file()) if p.is_dir() else [p])]
     return {
         "target": target_fingerprint(target),
+        "tokenizer": tokenizer_files_fingerprint(target),
         "inputs": hash_bytes(*(f"{p}:{hash_files([p])}".encode() for p in listed)),
         "prompts": hash_files([Path(prompts)]) if prompts and Path(prompts).is_file() else str(prompts),
     }

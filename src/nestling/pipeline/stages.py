@@ -39,7 +39,7 @@ class Stage:
     name: str
     settings: str | type  # "module:Class", or the class itself
     run: Callable[[StageContext], Any]
-    uses: tuple[str, ...] = ()  # run-level inputs in this stage's key: "target", "inputs", "prompts"
+    uses: tuple[str, ...] = ()  # run-level inputs in this stage's key: "target", "tokenizer", "inputs", "prompts"
     optional: bool = False  # disabled unless the config has a section for it
     dry: Callable[[Any], Any] | None = None  # settings -> the settings of the dry run (two samples)
     owns: tuple[str, ...] | None = None  # what it writes in its folder (globs); None: outdir.OWNS[name]
@@ -168,8 +168,8 @@ def _dry_eval(s: Any) -> Any:
 
 STAGES: tuple[Stage, ...] = (
     Stage("regenerate", "nestling.regenerate:RegenerateSettings|nestling.regenerate.settings:RegenerateSettings",
-          _regenerate, uses=("target", "inputs"), optional=True, dry=_dry_regenerate),
-    Stage("data", "nestling.data.settings:DataSettings", _data, uses=("target", "inputs"), dry=_dry_data),
+          _regenerate, uses=("target", "tokenizer", "inputs"), optional=True, dry=_dry_regenerate),
+    Stage("data", "nestling.data.settings:DataSettings", _data, uses=("target", "tokenizer", "inputs"), dry=_dry_data),
     Stage("capture", "nestling.capture.settings:CaptureSettings", _capture, uses=("target",), dry=_dry_capture),
     Stage("train", "nestling.train.settings:TrainSettings", _train, uses=("target",), dry=_dry_train),
     Stage("export", "nestling.export.eagle3:ExportSettings|nestling.export.settings:ExportSettings", _export, uses=("target",)),

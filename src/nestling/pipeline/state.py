@@ -36,7 +36,7 @@ def progress_path(run_dir: Path, stage: str) -> Path:
 def read_json(path: Path) -> dict | None:
     try:
         return json.loads(Path(path).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    except (FileNotFoundError, ValueError):  # ValueError: not JSON, or not UTF-8 (a damaged file)
         return None
 
 
@@ -52,7 +52,8 @@ def write_state(run_dir: Path, stage: str, **fields: Any) -> dict:
 
 def read_progress(run_dir: Path, stage: str) -> dict | None:
     """The newest progress numbers of a stage (ours, or a progress.json the stage wrote itself)."""
-    found = [p for p in (read_json(progress_path(run_dir, stage)), read_json(Path(run_dir) / stage / "progress.json")) if p]
+    found = [p for p in (read_json(progress_path(run_dir, stage)), read_json(Path(run_dir) / stage / "progress.json"))
+             if isinstance(p, dict) and p]
     return max(found, key=lambda p: p.get("updated", 0)) if found else None
 
 

@@ -18,16 +18,34 @@ from nestling.progress import format_bytes, format_duration
 STALLED_S = 600.0
 
 
+def read_run_info(run_dir: Path) -> dict:
+    """RUN_DIR/run.json, checked: a mapping whose `stages` is a list of stage names. A damaged file
+    (`[]`, `{}`, a hand edit) is reported as such, never as a traceback."""
+    path = Path(run_dir) / "run.json"
+    info = read_json(path)
+    if info is None:
+        why = "it cannot be parsed as JSON" if path.exists() else "no run.json"
+        raise NestlingError(f"{run_dir} is not a nestling run folder ({why}); start one with `nestling run CONFIG.yaml`")
+    stages = info.get("stages") if isinstance(info, dict) else None
+    if not isinstance(stages, list) or not all(isinstance(n, str) for n in stages):
+        raise NestlingError(f"{path} is damaged: it needs a 'stages' list of stage names; run `nestling run CONFIG.yaml` "
+                            f"on this run folder again to rewrite it")
+    return info
+
+
+def _mapping(obj) -> dict:
+    """A state or progress file's content, or {} when it is not a mapping (damaged: shown as pending)."""
+    return obj if isinstance(obj, dict) else {}
+
+
 def stage_rows(run_dir: Path) -> list[dict]:
     run_dir = Path(run_dir)
-    info = read_json(run_dir / "run.json")
-    if info is None:
-        raise NestlingError(f"{run_dir} is not a nestling run folder (no run.json); start one with `nestling run CONFIG.yaml`")
+    info = read_run_info(run_dir)
     now = time.time()
     rows = []
     for name in info["stages"]:
-        state = read_state(run_dir, name) or {}
-        prog = read_progress(run_dir, name) or {}
+        state = _mapping(read_state(run_dir, name))
+        prog = _mapping(read_progress(run_dir, name))
         status = state.get("status", "pending")
         if status == "running":
             if state.get("host") == socket.gethostname() and not pid_alive(int(state.get("pid", 0))):
@@ -49,7 +67,7 @@ def stage_rows(run_dir: Path) -> list[dict]:
 
 def format_status(run_dir: Path) -> str:
     rows = stage_rows(run_dir)
-    info = read_json(Path(run_dir) / "run.json") or {}
+    info = read_run_info(run_dir)
     lines = [f"run {run_dir}  target {info.get('target', '?')}"]
     header = f"{'stage':<11}{'status':<13}{'progress':<28}{'tokens/s':>10}  {'elapsed':>9}  {'ETA':>9}"
     lines.append(header)
@@ -67,7 +85,7 @@ def format_status(run_dir: Path) -> str:
         lines.append(f"{r['stage']:<11}{r['status']:<13}{progress:<28}{tps:>10}  {elapsed:>9}  {eta:>9}")
         if r.get("error") and r["status"] in ("failed", "interrupted"):
             lines.append(f"{'':<11}error: {r['error'][:300]}")
-    est = read_json(Path(run_dir) / "dry-run" / "estimate.json")
+    est = _mapping(read_json(Path(run_dir) / "dry-run" / "estimate.json"))
     if est:
         total_s = sum(float(e.get("seconds") or 0.0) for e in est.get("stages", []))
         lines.append(f"dry-run estimate of the full run: {format_bytes(est.get('need_bytes', 0))} disk, "

@@ -67,16 +67,58 @@ def resolve_target(model: str | Path) -> Path:
     raise NestlingError(f"target {model} does not exist")
 
 
+# Weight files transformers would unpickle (arbitrary code): nestling never lets it load them.
+PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def require_safetensors(target_dir: Path) -> None:
+    """Refuse a target whose weights are not safetensors, before transformers (or vLLM) touches them:
+    a pickled `pytorch_model.bin` runs whatever code it carries when loaded."""
+    if any(target_dir.glob("*.safetensors")):
+        return
+    pickled = sorted(f.name for pat in PICKLE_WEIGHTS for f in target_dir.glob(pat))
+    if pickled:
+        raise NestlingError(f"target folder {target_dir} holds weights as {', '.join(pickled[:3])} (pickle, which can run "
+                            "arbitrary code when loaded): nestling loads only .safetensors; convert them (e.g. "
+                            "`model.save_pretrained(DIR, safe_serialization=True)` on a machine you trust) or use a .gguf")
+    raise NestlingError(f"target folder {target_dir} holds no .safetensors weights (only {_listing(target_dir)}); "
+                        "point --target at a complete Hugging Face model folder or a .gguf file")
+
+
+def _listing(folder: Path, n: int = 5) -> str:
+    names = sorted(f.name for f in folder.iterdir())
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "") if names else "nothing"
+
+
+def _transformers_error(what: str, folder: Path, e: Exception) -> NestlingError:
+    """transformers' error when it cannot read a folder, as one line that names the folder."""
+    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+    return NestlingError(f"cannot read the {what} of {folder} ({type(e).__name__}: {first[:300]}); check that it is a "
+                         "complete Hugging Face model folder whose model_type this transformers version knows")
+
+
 def load_config(target: Path):
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(resolve_target(target))
+    path = resolve_target(target)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError, TypeError) as e:  # unknown model_type, broken config.json
+        raise _transformers_error("config", path, e) from None
 
 
 def load_tokenizer(target: str | Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_target(target))
+    path = resolve_target(target)
+    if not any((path / f).exists() for f in TOKENIZER_FILES):
+        raise NestlingError(f"target folder {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}; it holds "
+                            f"{_listing(path)}); point --target at a complete Hugging Face model folder")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (ValueError, KeyError, OSError, TypeError, AttributeError) as e:
+        raise _transformers_error("tokenizer", path, e) from None
 
 
 def load_model(target: str | Path, dtype: str = "bfloat16", device: str = "cpu", device_map: str | None = None):
@@ -85,7 +127,8 @@ def load_model(target: str | Path, dtype: str = "bfloat16", device: str = "cpu",
     from transformers import AutoModelForCausalLM
 
     path = resolve_target(target)
-    kw: dict[str, Any] = {"dtype": getattr(torch, dtype), "attn_implementation": "sdpa"}
+    require_safetensors(path)
+    kw: dict[str, Any] = {"dtype": getattr(torch, dtype), "attn_implementation": "sdpa", "use_safetensors": True}
     if device_map:
         kw["device_map"] = device_map
     model = AutoModelForCausalLM.from_pretrained(path, **kw)
@@ -100,7 +143,7 @@ def _weight_map(target_dir: Path) -> dict[str, str]:
         return json.loads(index.read_text())["weight_map"]
     files = sorted(target_dir.glob("*.safetensors"))
     if not files:
-        raise NestlingError(f"{target_dir} holds no .safetensors weights")
+        require_safetensors(target_dir)
     from safetensors import safe_open
 
     out = {}
@@ -148,13 +191,51 @@ def target_fingerprint(target: str | Path) -> str:
     return hash_bytes(hash_json(cfg).encode(), hash_files(sorted(d.glob("*.safetensors"))).encode())
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".msgpack", ".onnx", ".ckpt")
+
+
+def tokenizer_files_fingerprint(target: str | Path) -> str:
+    """Every file of the target folder but the weights (tokenizer.json, tokenizer_config.json, the chat
+    template, ...), from disk without loading anything: `nestling run` keys the data stage on it, so a
+    changed tokenizer or template redoes the data (target_fingerprint covers config and weights only)."""
+    d = resolve_target(target)
+    files = sorted(f for f in d.iterdir() if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES))
+    return hash_bytes(*(f"{f.name}:{hash_bytes(f.read_bytes())}".encode() for f in files))  # whole content: small files
+
+
+# Bump when tokenizer_fingerprint changes what it covers: a data folder whose manifest records an older
+# version was fingerprinted differently, and is redone instead of being compared (data.prepare).
+TOKENIZER_FINGERPRINT_VERSION = 2
+
+
+def _backend_state(tokenizer) -> str:
+    """The fast tokenizer's whole serialized state (tokenizer.json: vocabulary, merges, normalizer,
+    pre-tokenizer, post-processor, decoder, added tokens), without the truncation / padding a caller
+    may have switched on for one call; the vocabulary alone for a slow tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return hash_json(sorted(tokenizer.get_vocab().items()))
+    state = backend.to_str()
+    if backend.truncation is not None or backend.padding is not None:
+        d = json.loads(state)
+        d["truncation"] = d["padding"] = None
+        state = json.dumps(d)
+    return hash_bytes(state.encode())
+
+
 def tokenizer_fingerprint(tokenizer, chat_template: str | None = None) -> str:
-    """Vocabulary + special tokens + chat template: equal fingerprints tokenize identically."""
-    vocab = tokenizer.get_vocab()
+    """The whole tokenizer state + added tokens + special tokens + chat template: equal fingerprints
+    tokenize and render identically. (Version 1 hashed the vocabulary only: a tokenizer with merges
+    removed, or another normalizer or pre-tokenizer, splits text differently under the same vocabulary.)"""
     template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    added = sorted((int(i), str(t.content), bool(t.special), bool(t.normalized), bool(t.lstrip), bool(t.rstrip),
+                    bool(t.single_word)) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items())
     return hash_json({
-        "vocab": hash_json(sorted(vocab.items())),
+        "version": TOKENIZER_FINGERPRINT_VERSION,
+        "backend": _backend_state(tokenizer),
+        "added": added,
         "special": sorted(map(str, tokenizer.all_special_tokens)),
+        "special_map": sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items()),
         "template": template,
         "cls": type(tokenizer).__name__,
     })

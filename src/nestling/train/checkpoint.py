@@ -61,14 +61,22 @@ def save(root: Path, step: int, weights: dict[str, torch.Tensor], optimizer_stat
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
-    torch.save(optimizer_state, tmp / "optimizer.pt")
-    state = {"step": step, "scheduler": scheduler_state, "rng": _rng_state(), "config_key": config_key,
-             "data_position": {"microbatches_done": extra.get("microbatches_done")}, **extra}
-    (tmp / "state.json").write_text(json.dumps(state, indent=1, default=str))
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    try:
+        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+        torch.save(optimizer_state, tmp / "optimizer.pt")
+        state = {"step": step, "scheduler": scheduler_state, "rng": _rng_state(), "config_key": config_key,
+                 "data_position": {"microbatches_done": extra.get("microbatches_done")}, **extra}
+        (tmp / "state.json").write_text(json.dumps(state, indent=1, default=str))
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    except OSError as e:  # a full disk, most often: drop the partial checkpoint, keep the earlier ones
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = list_checkpoints(root)
+        raise NestlingError(
+            f"could not write checkpoint {final.name} in {root} ({e.strerror or e}); the partial checkpoint was "
+            f"removed, " + (f"{kept[-1].name} is kept" if kept else "no earlier checkpoint exists")
+            + ".\n  Free space (or fix the folder) and run the same command with --resume to continue.") from e
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

@@ -28,6 +28,7 @@ from nestling.target.load import load_config, resolve_target, target_fingerprint
 from nestling.train import checkpoint as ckpt
 from nestling.train import dist, features
 from nestling.train.data import Prefetcher, Stream, collate, read_index
+from nestling.train.guard import NonFiniteGuard, check_due, describe_non_finite
 from nestling.train.head import read_head, teacher_rows
 from nestling.train.loss import simulated_acceptance_length, supervised_counts, teacher, ttt_loss
 from nestling.train.metrics import MetricsLog, plot
@@ -121,9 +122,14 @@ def check_inputs(capture_dir: Path, s: TrainSettings) -> Inputs:
             path = capture_dir / split / shard
             if not path.exists():
                 raise NestlingError(f"capture shard {path} is missing; run `nestling capture` again to complete it")
-            with safe_open(str(path), "pt") as f:
-                meta = f.metadata() or {}
-                shape = f.get_slice("hidden").get_shape()
+            try:
+                with safe_open(str(path), "pt") as f:
+                    meta = f.metadata() or {}
+                    shape = f.get_slice("hidden").get_shape()
+            except Exception as e:  # noqa: BLE001 - safetensors' error types vary: a damaged file, whatever the cause
+                raise NestlingError(f"capture shard {path} cannot be read ({type(e).__name__}: {str(e)[:200]}): it is "
+                                    "cut off or damaged; delete it and run the same `nestling capture` command again "
+                                    "to redo it") from None
             if meta.get("layer_ids") not in (None, ",".join(map(str, layer_ids))):
                 raise NestlingError(f"shard {path} holds layers {meta['layer_ids']}, the capture manifest says "
                                     f"{layer_ids}: the folder mixes captures; capture again into a fresh folder")
@@ -417,6 +423,19 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
         t_s, d_s = target_sw.take(), draft_sw.take()
         return {"draft_s": d_s, **({"target_s": t_s, "target_share": t_s / max(t_s + d_s, 1e-9)} if target_fwd else {})}
 
+    guard = NonFiniteGuard(device)
+
+    def samples_of(microbatch: int) -> list[str]:
+        return [str(inp.train_index[i].get("sample_id", i)) for i in train_stream[microbatch]]
+
+    def stop_if_non_finite(at: int) -> None:
+        if check_due(at, total, (s.log_every, s.eval_every, s.checkpoint_every)):
+            try:
+                guard.check(d, lambda kind, n: describe_non_finite(kind, n, G, d.world, samples_of, str(capture_dir)))
+            except NestlingError:
+                prefetch.close()
+                raise
+
     prefetch = Prefetcher(load_step, step, total)
     while step < total:
         batches = prefetch.get()
@@ -433,14 +452,18 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
             with sync, draft_sw:
                 with autocast():
                     loss, sums, correct, count = fwd(b, t, denom, noise_seed(step * G + a * d.world + d.rank))
+                guard.note_loss(loss, step * G + a * d.world + d.rank)
                 (loss * d.world).backward()
             interval += torch.stack([sums, correct, count])
         with draft_sw:
             gnorm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip) if s.grad_clip > 0 else None
+            guard.note_grad(gnorm if gnorm is not None else torch.nn.utils.get_total_norm(
+                [p.grad for p in params if p.grad is not None]), step)
             optimizer.step()  # and the lr schedule
         optimizer.zero_grad(set_to_none=True)
         step += 1
         interval_tokens += tokens
+        stop_if_non_finite(step)  # before anything is logged, evaluated or saved from this step's weights
         if step % s.log_every == 0 or step == total:
             tot = dist.all_sum(interval, d).cpu()
             cnt = tot[2].clamp(min=1)

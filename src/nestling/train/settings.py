@@ -71,6 +71,20 @@ class TrainSettings:
     def __post_init__(self) -> None:
         _check_positive("lr", self.lr)
         _check_positive("muon_lr", self.muon_lr)
+        if self.steps is not None and self.steps < 1:
+            raise NestlingError(f"steps must be at least 1 (an untrained draft is no result), got {self.steps}; "
+                                "or leave it unset to train `epochs` passes")
+        _check_positive("epochs", self.epochs)
+        for name in ("min_lr_ratio", "warmup_ratio"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and 0 <= v <= 1):
+                raise NestlingError(f"{name} is a fraction in [0, 1], got {v}")
+        for name in ("weight_decay", "grad_clip"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise NestlingError(f"{name} must be a finite number >= 0 (0 = off), got {v}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise NestlingError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.optimizer not in ("adamw", "muon"):
             raise NestlingError(f"optimizer must be adamw or muon, got {self.optimizer!r}")
         if not (math.isfinite(self.hidden_noise) and self.hidden_noise >= 0):
