@@ -37,8 +37,9 @@ def shard_name(i: int) -> str:
 
 
 def bytes_per_token(n_ids: int, hidden_size: int, dtype: torch.dtype) -> int:
-    """hidden + input_ids (int32) + loss_mask (uint8)."""
-    return n_ids * hidden_size * dtype.itemsize + 4 + 1
+    """hidden + input_ids (int32) + loss_mask (uint8); float8 adds one float32 scale per token and slot."""
+    scale = n_ids * 4 if dtype == torch.float8_e4m3fn else 0
+    return n_ids * hidden_size * dtype.itemsize + scale + 4 + 1
 
 
 @dataclass
