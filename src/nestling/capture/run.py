@@ -16,8 +16,8 @@ import torch
 
 from nestling.capture.backend import make_backend
 from nestling.capture.settings import CaptureSettings, parse_size, resolve
-from nestling.capture.store import (ShardPlan, ShardWriter, batches, bytes_per_token, plan_shards, shard_key,
-                                    shard_name, write_index)
+from nestling.capture.store import (ShardPlan, ShardWriter, batches, bytes_per_token, finish_checksums, plan_shards,
+                                    shard_key, shard_name, write_index)
 from nestling.config import to_dict
 from nestling.data.dataset import SPLITS, Sample, load_samples, split_files
 from nestling.errors import NestlingError
@@ -185,6 +185,7 @@ def capture(data_dir: str | Path, target: str | Path, out: str | Path, settings:
         _run(todo, target_dir, layer_ids, hidden_size, dtype, out, settings, run_key)
     stats = {}
     for split, samples in splits.items():
+        finish_checksums(out / split, plans[split])
         write_index(out / split, samples, plans[split])
         stats[split] = {"samples": len(samples), "tokens": sum(len(s.input_ids) for s in samples),
                         "supervised_tokens": sum(sum(s.loss_mask) for s in samples), "shards": len(plans[split])}

@@ -18,6 +18,7 @@ import os
 import queue
 import struct
 import threading
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +27,11 @@ import torch
 
 from nestling.data.dataset import Sample
 from nestling.errors import NestlingError
-from nestling.manifest import atomic_write_json, hash_json
+from nestling.manifest import atomic_write_bytes, atomic_write_json, hash_json
 
 ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32", torch.uint8: "U8"}
 INDEX = "index.json"
+CHECKSUMS = "checksums.jsonl"
 
 
 def shard_name(i: int) -> str:
@@ -112,6 +114,59 @@ def shard_key(path: Path) -> str | None:
         return None
 
 
+def file_crc32(path: Path, chunk: int = 1 << 26) -> tuple[str, int]:
+    """(crc32 as 8 hex digits, size) of a file, read in chunks."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+            size += len(block)
+    return f"{crc:08x}", size
+
+
+def record_checksum(split_dir: Path, shard: str, plan_key: str, crc: str, size: int) -> None:
+    """Append a completed shard's checksum to `{split}/checksums.jsonl` (fsynced): written as the shard
+    completes, so a resumed run keeps the checksums of the shards it keeps without rereading them."""
+    line = json.dumps({"shard": shard, "plan": plan_key, "crc32": crc, "bytes": size}, sort_keys=True) + "\n"
+    with open(Path(split_dir) / CHECKSUMS, "a") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_checksums(split_dir: Path) -> dict[str, dict] | None:
+    """shard name -> its last recorded `{plan, crc32, bytes}`; None when the split records none (a store
+    written before checksums existed). A torn last line (a crash mid-append) is skipped."""
+    path = Path(split_dir) / CHECKSUMS
+    if not path.exists():
+        return None
+    out: dict[str, dict] = {}
+    for line in path.read_text().splitlines():
+        try:
+            e = json.loads(line)
+            out[e["shard"]] = e
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def finish_checksums(split_dir: Path, plans: list["ShardPlan"]) -> None:
+    """Rewrite `checksums.jsonl` with exactly one line per planned shard, in order. A complete shard
+    without a current entry (the run died between its rename and the append, or the store predates
+    checksums) is read once now."""
+    split_dir = Path(split_dir)
+    known = read_checksums(split_dir) or {}
+    lines = []
+    for p in plans:
+        name = shard_name(p.index)
+        e = known.get(name)
+        if e is None or e.get("plan") != p.key:
+            crc, size = file_crc32(split_dir / name)
+            e = {"shard": name, "plan": p.key, "crc32": crc, "bytes": size}
+        lines.append(json.dumps(e, sort_keys=True))
+    atomic_write_bytes(split_dir / CHECKSUMS, ("\n".join(lines) + "\n").encode())
+
+
 def _raw(t: torch.Tensor):
     return t.contiguous().view(torch.uint8).numpy()
 
@@ -175,7 +230,8 @@ class ShardWriter:
         self._thread.join()
 
     def _run(self) -> None:
-        f = tmp = plan = None
+        f = tmp = plan = path = None
+        crc = 0
         try:
             while True:
                 try:
@@ -193,24 +249,30 @@ class ShardWriter:
                     tmp = path.with_name(f".{path.name}.tmp")
                     f = open(tmp, "wb")
                     f.write(header)
+                    crc = zlib.crc32(header)
                     self.bytes_written += len(header)
                 elif item[0] == "hidden":
                     _, hidden, event, release = item
                     if event is not None:
                         event.synchronize()
-                    f.write(_raw(hidden))
+                    raw = _raw(hidden)
+                    f.write(raw)
+                    crc = zlib.crc32(raw, crc)
                     self.bytes_written += hidden.numel() * hidden.element_size()
                     if release is not None:
                         release()
                 else:
                     ids = torch.tensor([t for s in plan.samples for t in s.input_ids], dtype=torch.int32)
                     mask = torch.tensor([t for s in plan.samples for t in s.loss_mask], dtype=torch.uint8)
-                    f.write(_raw(ids))
-                    f.write(_raw(mask))
+                    for t in (_raw(ids), _raw(mask)):
+                        f.write(t)
+                        crc = zlib.crc32(t, crc)
                     f.flush()
                     os.fsync(f.fileno())
+                    size = f.tell()
                     f.close()
                     f = None
+                    record_checksum(path.parent, path.name, plan.key, f"{crc:08x}", size)
                     os.replace(tmp, path)
                     tmp = None
                     self.bytes_written += 5 * len(ids)

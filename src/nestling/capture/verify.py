@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from nestling.capture.store import read_index
+from nestling.capture.store import CHECKSUMS, file_crc32, read_checksums, read_index
 from nestling.data.dataset import load_samples
 from nestling.errors import NestlingError
 from nestling.manifest import read_manifest
@@ -62,6 +62,21 @@ def _check_shard(path: Path, n_ids: int, hidden_size: int, dtype: str, expect_id
     return problems
 
 
+def _check_checksum(path: Path, entry: dict | None) -> list[str]:
+    """The shard's bytes against the crc32 recorded when it was completed: catches any overwrite,
+    including finite values that pass every check on the tensors."""
+    name = f"{path.parent.name}/{path.name}"
+    if entry is None:
+        return [f"{name}: no checksum recorded in {path.parent.name}/{CHECKSUMS}"]
+    crc, size = file_crc32(path)
+    if size != entry.get("bytes"):
+        return [f"{name}: {size} bytes, but {entry.get('bytes')} were written"]
+    if crc != entry.get("crc32"):
+        return [f"{name}: checksum mismatch (crc32 {crc}, recorded {entry.get('crc32')} when it was written): "
+                f"its bytes changed since"]
+    return []
+
+
 def verify(capture_dir: str | Path) -> list[str]:
     """All problems found (empty list: the capture is sound)."""
     capture_dir = Path(capture_dir)
@@ -79,6 +94,10 @@ def verify(capture_dir: str | Path) -> list[str]:
         shards: dict[str, list[dict]] = {}
         for e in index:
             shards.setdefault(e["shard"], []).append(e)
+        checksums = read_checksums(capture_dir / split)
+        if checksums is None:
+            log(f"[verify] {split}: no {CHECKSUMS} (a store written before nestling recorded checksums): "
+                f"checking structure and values only")
         prog = Progress(f"verify {split}", total=len(shards), unit="shards")
         for shard, entries in sorted(shards.items()):
             entries.sort(key=lambda e: e["offset"])
@@ -96,6 +115,8 @@ def verify(capture_dir: str | Path) -> list[str]:
                 if not path.exists():
                     problems.append(f"{split}/{shard}: missing")
                 else:
+                    if checksums is not None:
+                        problems += _check_checksum(path, checksums.get(shard))
                     problems += _check_shard(path, n_ids, H, m["dtype"], torch.tensor(ids), torch.tensor(mask))
             prog.update(1)
     log(f"[verify] {capture_dir}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
