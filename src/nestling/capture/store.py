@@ -29,7 +29,30 @@ from nestling.data.dataset import Sample
 from nestling.errors import NestlingError
 from nestling.manifest import atomic_write_bytes, atomic_write_json, hash_json
 
-ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32", torch.uint8: "U8"}
+ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32", torch.uint8: "U8",
+             torch.float8_e4m3fn: "F8_E4M3"}
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def store_dtype(name: str) -> torch.dtype:
+    """The stored dtype of capture setting `dtype` (resolved: bfloat16, float32 or float8)."""
+    return FP8 if name == "float8" else getattr(torch, name)
+
+
+def quantize_fp8(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., H] -> (float8_e4m3fn [..., H], float32 scale [...]): each vector divided by amax / 448, so
+    its largest entry lands on fp8's largest value and the rest keep 3 mantissa bits of relative
+    precision. An all-zero vector gets scale 1. Deterministic (round to nearest even), so a resumed
+    capture writes the same bytes."""
+    x = h.float()
+    amax = x.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale[..., None].float()).to(dtype)
 INDEX = "index.json"
 CHECKSUMS = "checksums.jsonl"
 
@@ -90,11 +113,15 @@ def batches(samples: list[Sample], token_budget: int) -> list[list[Sample]]:
 
 
 def _header(plan: ShardPlan, n_ids: int, hidden_size: int, dtype: torch.dtype, meta: dict) -> bytes:
+    """hidden, then (float8 only) hidden_scale, input_ids, loss_mask: in that order in the data."""
     T = plan.tokens
     nh = T * n_ids * hidden_size * dtype.itemsize
-    head = {
-        "__metadata__": {k: str(v) for k, v in meta.items()},
-        "hidden": {"dtype": ST_DTYPES[dtype], "shape": [T, n_ids, hidden_size], "data_offsets": [0, nh]},
+    head = {"__metadata__": {k: str(v) for k, v in meta.items()},
+            "hidden": {"dtype": ST_DTYPES[dtype], "shape": [T, n_ids, hidden_size], "data_offsets": [0, nh]}}
+    if dtype == FP8:
+        head["hidden_scale"] = {"dtype": "F32", "shape": [T, n_ids], "data_offsets": [nh, nh + 4 * T * n_ids]}
+        nh += 4 * T * n_ids
+    head |= {
         "input_ids": {"dtype": "I32", "shape": [T], "data_offsets": [nh, nh + 4 * T]},
         "loss_mask": {"dtype": "U8", "shape": [T], "data_offsets": [nh + 4 * T, nh + 5 * T]},
     }
@@ -202,6 +229,11 @@ class ShardWriter:
         """Queue one batch; `release` (if given) is called once its bytes are written."""
         self._put(("hidden", hidden, event, release))
 
+    def write_scale(self, scale: torch.Tensor, event=None, release=None) -> None:
+        """Queue one batch's float8 scales [B, n_ids]; kept in memory (4 bytes per token and slot) and
+        written after the shard's last hidden row, where the header puts them."""
+        self._put(("scale", scale, event, release))
+
     def end(self) -> None:
         self._put(("end",))
 
@@ -232,6 +264,7 @@ class ShardWriter:
     def _run(self) -> None:
         f = tmp = plan = path = None
         crc = 0
+        scales: list[bytes] = []
         try:
             while True:
                 try:
@@ -250,6 +283,7 @@ class ShardWriter:
                     f = open(tmp, "wb")
                     f.write(header)
                     crc = zlib.crc32(header)
+                    scales = []
                     self.bytes_written += len(header)
                 elif item[0] == "hidden":
                     _, hidden, event, release = item
@@ -261,10 +295,17 @@ class ShardWriter:
                     self.bytes_written += hidden.numel() * hidden.element_size()
                     if release is not None:
                         release()
+                elif item[0] == "scale":
+                    _, scale, event, release = item
+                    if event is not None:
+                        event.synchronize()
+                    scales.append(_raw(scale).tobytes())
+                    if release is not None:
+                        release()
                 else:
                     ids = torch.tensor([t for s in plan.samples for t in s.input_ids], dtype=torch.int32)
                     mask = torch.tensor([t for s in plan.samples for t in s.loss_mask], dtype=torch.uint8)
-                    for t in (_raw(ids), _raw(mask)):
+                    for t in (b"".join(scales), _raw(ids), _raw(mask)):
                         f.write(t)
                         crc = zlib.crc32(t, crc)
                     f.flush()
@@ -275,7 +316,7 @@ class ShardWriter:
                     record_checksum(path.parent, path.name, plan.key, f"{crc:08x}", size)
                     os.replace(tmp, path)
                     tmp = None
-                    self.bytes_written += 5 * len(ids)
+                    self.bytes_written += 5 * len(ids) + sum(map(len, scales))
         except BaseException as e:  # surfaced in the main thread by _check
             if not isinstance(e, _Aborted):
                 self.error = e
@@ -331,6 +372,9 @@ class CaptureDataset(torch.utils.data.Dataset):
         self.index = read_index(self.dir, split)
         self.max_open = max_open
         self._open: OrderedDict = OrderedDict()
+        # a float8 store reads back in the dtype the target ran in, as a bf16 or fp32 store would
+        self.fp8 = self.manifest.get("dtype") == "float8"
+        self.read_dtype = getattr(torch, self.manifest.get("compute_dtype") or "bfloat16")
 
     def __len__(self) -> int:
         return len(self.index)
@@ -356,6 +400,8 @@ class CaptureDataset(torch.utils.data.Dataset):
         f = self._handle(e["shard"])
         a, b = e["offset"], e["offset"] + e["length"]
         hidden = f.get_slice("hidden")[a:b]
+        if self.fp8:
+            hidden = dequantize_fp8(hidden, f.get_slice("hidden_scale")[a:b], self.read_dtype)
         T = hidden.shape[0]
         return {
             "sample_id": e["sample_id"],

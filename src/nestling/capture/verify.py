@@ -27,14 +27,23 @@ def _check_shard(path: Path, n_ids: int, hidden_size: int, dtype: str, expect_id
     try:
         f = safe_open(path, "pt")
         keys = set(f.keys())
-        if keys != {"hidden", "input_ids", "loss_mask"}:
-            return [f"{name}: holds tensors {sorted(keys)}, expected hidden, input_ids, loss_mask"]
+        fp8 = dtype == "float8"
+        expect = {"hidden", "input_ids", "loss_mask"} | ({"hidden_scale"} if fp8 else set())
+        if keys != expect:
+            return [f"{name}: holds tensors {sorted(keys)}, expected {', '.join(sorted(expect))}"]
         h = f.get_slice("hidden")
         shape = h.get_shape()
         T = int(expect_ids.numel())
         if list(shape) != [T, n_ids, hidden_size]:
             return [f"{name}: hidden has shape {shape}, the index says [{T}, {n_ids}, {hidden_size}]"]
         problems = []
+        scale = None
+        if fp8:
+            scale = f.get_tensor("hidden_scale")
+            if list(scale.shape) != [T, n_ids]:
+                return [f"{name}: hidden_scale has shape {list(scale.shape)}, expected [{T}, {n_ids}]"]
+            if not bool((torch.isfinite(scale) & (scale > 0)).all()):
+                problems.append(f"{name}: hidden_scale holds values that are not finite and positive")
         ids = f.get_tensor("input_ids")
         if ids.shape != expect_ids.shape or not torch.equal(ids.long(), expect_ids):
             problems.append(f"{name}: input_ids differ from the data stage's token ids")
@@ -45,6 +54,8 @@ def _check_shard(path: Path, n_ids: int, hidden_size: int, dtype: str, expect_id
         nonfinite = 0
         for a in range(0, T, CHUNK_TOKENS):
             x = h[a:a + CHUNK_TOKENS].float()
+            if scale is not None:
+                x = x * scale[a:a + CHUNK_TOKENS, :, None]
             nonfinite += int((~torch.isfinite(x)).sum())
             x = torch.nan_to_num(x)
             lo = torch.minimum(lo, x.amin(dim=(0, 2)))
