@@ -33,11 +33,13 @@ def table(p: dict) -> str:
     ]
     for name, st in p["store"].items():
         lines.append(f"  {name:<10} {st['bytes_per_token']:>12,} {_b(st['bytes']):>12}  {_yes(st['fits_disk'])}")
+    split = "TP" if tm["backend"] == "vllm" else "GPUs"
     lines += ["", f"target on GPUs (weights {_b(t['weight_bytes'])}; per GPU + {_b(tm['work_bytes'])} for a "
                   f"forward's KV cache, activations and runtime)",
-              f"  {'TP':>3} {'DP':>3} {'per GPU':>12}  fits"]
+              f"  capture backend {tm['backend']}: {tm['backend_why']}",
+              f"  {split:>4} {'DP':>3} {'per GPU':>12}  fits"]
     for o in tm["options"]:
-        lines.append(f"  {o['tp']:>3} {o['dp']:>3} {_b(o['per_gpu_bytes']):>12}  {_yes(o['fits'])}")
+        lines.append(f"  {o['tp']:>4} {o['dp']:>3} {_b(o['per_gpu_bytes']):>12}  {_yes(o['fits'])}")
     mem = dr["memory"]
     lines += ["", f"draft       {dr['trainable_params'] / 1e9:,.2f}B trainable params (hidden {dr['hidden_size']}, "
                   f"MLP {dr['intermediate_size']}, draft vocab {dr['draft_vocab_size']:,})",
@@ -50,7 +52,8 @@ def table(p: dict) -> str:
     for stage in ("capture", "train"):
         if stage in tt:
             x = tt[stage]
-            lines.append(f"  {stage:<8} {x['tokens_per_s_per_gpu']:>10,.0f} tok/s per GPU x {m['gpus']} -> "
+            n = x.get("busy_gpus", m["gpus"])
+            lines.append(f"  {stage:<8} {x['tokens_per_s_per_gpu']:>10,.0f} tok/s per GPU x {n} -> "
                          f"{format_duration(x['seconds']):>10}  (scaled from {x['measured']})")
         else:
             lines.append(f"  {stage:<8} no {stage}_*.json result found there")

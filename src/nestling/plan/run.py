@@ -76,18 +76,36 @@ def capture_work_bytes(cfg: dict, n_ids: int, token_budget: int) -> int:
     return token_budget * (kv_bytes_per_token(cfg) + 2 * act) + RUNTIME_BYTES
 
 
+def capture_backend(cfg: dict) -> tuple[str, str]:
+    """(backend, why): vllm (tensor and data parallel) where its capture path serves the target, else hf
+    with device_map=auto (layers spread over the GPUs, which compute one after another)."""
+    from nestling.capture.vllm import check_target
+
+    try:
+        check_target(cfg)
+    except NestlingError as e:
+        return "hf", str(e).split(";")[0]
+    return "vllm", "vLLM's extract_hidden_states path serves this architecture"
+
+
 def target_plan(cfg: dict, weights: float, s: PlanSettings, usable: float, n_ids: int) -> dict:
-    """Per-GPU memory at each tensor-parallel degree that divides the GPUs; the smallest that fits."""
+    """Per-GPU memory when the weights are split over 1, 2, 4, ... of the GPUs (vllm: the TP degree, the
+    rest data-parallel replicas; hf: device_map over that many GPUs, one replica); the smallest that fits."""
+    backend, why = capture_backend(cfg)
     work = capture_work_bytes(cfg, n_ids, s.token_budget)
     options = []
     tp = 1
     while tp <= s.gpus:
         if s.gpus % tp == 0:
             per_gpu = weights / tp + work
-            options.append({"tp": tp, "dp": s.gpus // tp, "per_gpu_bytes": per_gpu, "fits": per_gpu <= usable})
+            dp = s.gpus // tp if backend == "vllm" else 1
+            options.append({"tp": tp, "dp": dp, "per_gpu_bytes": per_gpu, "fits": per_gpu <= usable})
         tp *= 2
     fit = next((o for o in options if o["fits"]), None)
-    return {"work_bytes": work, "options": options, "tp": fit["tp"] if fit else None, "dp": fit["dp"] if fit else None}
+    return {"backend": backend, "backend_why": why, "work_bytes": work, "options": options,
+            "tp": fit["tp"] if fit else None, "dp": fit["dp"] if fit else None,
+            # GPUs computing at once: vllm's TP x DP all work; hf's device_map runs the layers in turn
+            "busy_gpus": (s.gpus if backend == "vllm" else 1) if fit else 0}
 
 
 def draft_plan(cfg: dict, layer_ids: list[int], s: PlanSettings, usable: float) -> dict:
@@ -111,7 +129,7 @@ def draft_plan(cfg: dict, layer_ids: list[int], s: PlanSettings, usable: float) 
 
 
 def time_plan(cfg: dict, draft_params: int, tokens: int, train_tokens: int, s: PlanSettings,
-              store: dict) -> dict:
+              store: dict, busy_gpus: int) -> dict:
     """Seconds for capture and for training at the measured rates, all GPUs busy."""
     results = Path(s.results) if s.results else default_results_dir()
     cap, tr = capture_rate(results), train_rate(results, s.ttt_steps)
@@ -119,7 +137,8 @@ def time_plan(cfg: dict, draft_params: int, tokens: int, train_tokens: int, s: P
     out: dict = {"results": str(results), "target_flops_per_token": flops}
     if cap:
         r = cap.scaled(flops, s.gpu_tflops)
-        out["capture"] = {"tokens_per_s_per_gpu": r, "seconds": tokens / (r * s.gpus), "measured": cap.source}
+        out["capture"] = {"tokens_per_s_per_gpu": r, "busy_gpus": busy_gpus, "measured": cap.source,
+                          "seconds": tokens / (r * busy_gpus) if busy_gpus else float("inf")}
     if tr:
         r = tr.scaled(draft_params, s.ttt_steps, s.gpu_tflops)
         out["train"] = {"tokens_per_s_per_gpu": r, "seconds": s.epochs * train_tokens / (r * s.gpus),
@@ -142,8 +161,12 @@ def modes(store: dict, target: dict, draft: dict, online_per_gpu: float, usable:
             why.append(f"the {name} store needs {_size(store[name]['bytes'])} of disk, more than {s.disk}")
         if draft["parallel"] is None:
             why.append("the draft's training does not fit on a GPU even with FSDP")
-        how = (f"capture backend=vllm tensor_parallel_size={target['tp']} data_parallel_size={target['dp']}, "
-               f"dtype={name}; train {draft['parallel']} on {s.gpus} GPUs") if not why else ""
+        if target["backend"] == "vllm":
+            cap = f"capture backend=vllm tensor_parallel_size={target['tp']} data_parallel_size={target['dp']}"
+        else:
+            cap = (f"capture backend=hf device_map=auto (weights over {target['tp']} GPU(s), computing one "
+                   f"at a time)" if target["tp"] and target["tp"] > 1 else "capture backend=hf on one GPU")
+        how = f"{cap}, dtype={name}; train {draft['parallel']} on {s.gpus} GPUs" if not why else ""
         out.append({"mode": f"offline, {name} store", "fits": not why, "why": "; ".join(why) or how})
     fits = online_per_gpu <= usable
     out.append({"mode": "online", "fits": fits, "why": (
@@ -197,7 +220,7 @@ def plan(target: str | Path, settings: PlanSettings | None = None) -> dict:
         "store": store,
         "target_memory": target_mem,
         "draft": draft,
-        "time": time_plan(cfg, draft["trainable_params"], tokens, train_tokens, s, store),
+        "time": time_plan(cfg, draft["trainable_params"], tokens, train_tokens, s, store, target_mem["busy_gpus"]),
         "online_per_gpu_bytes": online_per_gpu,
         "modes": ms,
         "recommendation": recommend(ms, s),
