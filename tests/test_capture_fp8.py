@@ -37,6 +37,8 @@ def test_quantize_bound_and_zero_vector():
     assert scale[3, 1] == 1 and bool((q[3, 1].float() == 0).all())
     assert bool((q.float().abs().amax(-1)[scale != 1] == 448).all())  # every vector's amax hits fp8's max
     assert within_fp8_bound(dequantize_fp8(q, scale, torch.float32), x, scale)
+    q2, scale2 = quantize_fp8(x, chunk=5)  # chunked as on a GPU batch: the same bytes
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale2, scale)
 
 
 @pytest.fixture(scope="module")
