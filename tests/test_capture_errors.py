@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -120,6 +121,45 @@ def test_verify_catches_corruption(tmp_path, target, data, capsys):
     assert f"{shards[1].name}: cannot be read" in o.out
     assert f"{shards[2].name}: layer slot 0 is all zero" in o.out
     assert "failed verification: " in o.err and "Traceback" not in o.err
+
+
+def _flip_finite(path: Path) -> None:
+    """Flip the lowest mantissa bit of one hidden value: still finite, not constant; only a checksum sees it."""
+    raw = bytearray(path.read_bytes())
+    hdr = 8 + int.from_bytes(raw[:8], "little")
+    raw[hdr + 100] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_verify_checksum_catches_finite_overwrite(tmp_path, target, data, capsys):
+    out = tmp_path / "cap"
+    capture(data, target, out, CaptureSettings(shard_size="20KB", **OPTS))
+    lines = (out / "train" / "checksums.jsonl").read_text().splitlines()
+    shards = sorted((out / "train").glob("shard-*.safetensors"))
+    assert [json.loads(x)["shard"] for x in lines] == [p.name for p in shards]
+    assert main(["capture", "--verify", str(out)]) == 0
+    _flip_finite(shards[1])
+    capsys.readouterr()
+    assert main(["capture", "--verify", str(out)]) == 1
+    o = capsys.readouterr().out
+    assert f"train/{shards[1].name}: checksum mismatch" in o
+    assert shards[0].name not in o and "NaN" not in o and "all zero" not in o  # the other checks pass it
+
+
+def test_checksums_rebuilt_for_complete_shards_that_lack_them(tmp_path, target, data, capsys):
+    """A run that died between a shard's rename and its checksum line (or a store from before
+    checksums): the rerun reads those shards once and records them; verify then passes."""
+    out = tmp_path / "cap"
+    capture(data, target, out, CaptureSettings(shard_size="20KB", **OPTS))
+    before = (out / "train" / "checksums.jsonl").read_bytes()
+    (out / "train" / "checksums.jsonl").write_bytes(b"\n".join(before.splitlines()[1:]) + b"\n{torn")
+    (out / "manifest.json").unlink()
+    capture(data, target, out, CaptureSettings(shard_size="20KB", **OPTS))
+    assert (out / "train" / "checksums.jsonl").read_bytes() == before
+    (out / "train" / "checksums.jsonl").unlink()  # a store from before checksums: verified without them
+    capsys.readouterr()
+    assert main(["capture", "--verify", str(out)]) == 0
+    assert "no checksums.jsonl" in capsys.readouterr().err
 
 
 def test_batches_respect_token_budget():

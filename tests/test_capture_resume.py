@@ -25,7 +25,10 @@ def store_files(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file() and p.name != "manifest.json"}
 
 
-def test_kill9_then_resume_equals_uninterrupted(tiny_target, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "float8"])
+def test_kill9_then_resume_equals_uninterrupted(tiny_target, tmp_path, dtype):
+    """float8 too: its scales are held until a shard's end, and the quantization is deterministic."""
+    OPTS = {**globals()["OPTS"], "dtype": dtype}
     target = tiny_target("llama")
     tok = AutoTokenizer.from_pretrained(target)
     data = make_data_dir(tmp_path / "data", tok, target, n_train=40, n_heldout=2, seed=3, min_words=8, max_words=24)

@@ -82,6 +82,31 @@ def test_vllm_shards_equal_hf_shards(tiny_target, tmp_path):
 
 
 @pytest.mark.vllm
+def test_vllm_float8_store_reads_back_within_fp8_of_hf(tiny_target, tmp_path):
+    """dtype=float8 with vllm: the engine's fp32 rows pass through the scratch file and are quantized by
+    the runner; what reads back is within fp8's bound of the hf backend's fp32 store."""
+    target = tiny_target("llama")
+    data = _data(tmp_path, target, n_train=4, n_heldout=1, min_words=5, max_words=30)
+    r = subprocess.run(_cli(data, target, tmp_path / "vllm", "dtype=float8", "token_budget=256", "progress_interval=60"),
+                       env=_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    capture(data, target, tmp_path / "hf", CaptureSettings(
+        backend="hf", device="cpu", dtype="float32", layers=[int(x) for x in LAYERS.split(",")], token_budget=256,
+        progress_interval=60))
+    m = json.loads((tmp_path / "vllm" / "manifest.json").read_text())
+    assert m["dtype"] == "float8" and m["compute_dtype"] == "float32"
+    assert verify(tmp_path / "vllm") == []
+    v, h = CaptureDataset(tmp_path / "vllm", "train"), CaptureDataset(tmp_path / "hf", "train")
+    for i in range(len(v)):
+        a, b = v[i], h[i]
+        for key in ("aux", "final"):
+            H = b["final"].shape[-1]
+            x, y = b[key].reshape(len(b[key]), -1, H), a[key].reshape(len(b[key]), -1, H)
+            bound = x.abs() / 16 + x.abs().amax(-1, keepdim=True) / 448 * 2.0**-10 + 1e-3 * x.abs() + 1e-4
+            assert bool(((y - x).abs() <= bound).all()), key
+
+
+@pytest.mark.vllm
 def test_kill_during_vllm_capture_then_resume(tiny_target, tmp_path):
     target = tiny_target("llama")
     data = _data(tmp_path, target, n_train=40, n_heldout=0)

@@ -25,6 +25,7 @@ STAGE_CLIS = [
     "nestling.export.cli",
     "nestling.evaluate.cli",
     "nestling.regenerate.cli",
+    "nestling.plan.cli",
     "nestling.pipeline_cli",
 ]
 

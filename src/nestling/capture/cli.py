@@ -25,8 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=["hf", "vllm"], help="engine that runs the target (default hf: transformers)")
     p.add_argument("--layers", help="comma-separated layer ids in HF hidden_states indexing, the last being the "
                                     "final state L (default: 2, L//2, L-3, L)")
-    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"],
-                   help="model and stored dtype (default auto: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float8"],
+                   help="model and stored dtype (default auto: bfloat16 on GPU, float32 on CPU); float8: run as auto, "
+                        "store float8_e4m3fn with a scale per token and layer (half of bf16)")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto (default auto: cuda when available)")
     p.add_argument("--device-map", dest="device_map", help="transformers device_map, e.g. auto to spread over several GPUs")
     p.add_argument("--token-budget", dest="token_budget", type=int,

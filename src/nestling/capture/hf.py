@@ -33,15 +33,16 @@ def base_model(model: torch.nn.Module) -> torch.nn.Module:
 
 class HFBackend(Backend):
     def __init__(self, target: Path, layer_ids: list[int], settings: CaptureSettings, model=None):
-        from nestling.capture.settings import resolve
+        from nestling.capture.settings import compute_dtype, resolve
         from nestling.target.load import load_model
 
         settings = resolve(settings)
         self.layer_ids = list(layer_ids)
-        self.dtype = getattr(torch, settings.dtype)
+        dtype = compute_dtype(settings)  # float8 is a storage format: the target runs at full width
+        self.dtype = getattr(torch, dtype)
         if model is None:
             device = settings.device if not settings.device_map else "cpu"
-            model = load_model(target, dtype=settings.dtype, device=device, device_map=settings.device_map)
+            model = load_model(target, dtype=dtype, device=device, device_map=settings.device_map)
         self.model = model
         self.base = base_model(model)
         self.hidden_size = int(self.base.config.hidden_size)

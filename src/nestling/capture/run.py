@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from nestling.capture.backend import make_backend
-from nestling.capture.settings import CaptureSettings, parse_size, resolve
-from nestling.capture.store import (ShardPlan, ShardWriter, batches, bytes_per_token, plan_shards, shard_key,
-                                    shard_name, write_index)
+from nestling.capture.settings import CaptureSettings, compute_dtype, parse_size, resolve
+from nestling.capture.store import (FP8, ShardPlan, ShardWriter, batches, bytes_per_token, finish_checksums,
+                                    plan_shards, quantize_fp8, shard_key, shard_name, store_dtype, write_index)
 from nestling.config import to_dict
 from nestling.data.dataset import SPLITS, Sample, load_samples, split_files
 from nestling import outdir
@@ -153,10 +153,12 @@ def _capture(data_dir: Path, target_dir: Path, out: Path, settings: CaptureSetti
     tok_fp = tokenizer_fingerprint(load_tokenizer(target_dir))
     data_manifest, splits = _load_data(data_dir, tok_fp, vocab_size, getattr(text_cfg, "max_position_embeddings", None))
 
-    dtype = getattr(torch, settings.dtype)
+    dtype = store_dtype(settings.dtype)
     bpt = bytes_per_token(len(layer_ids), hidden_size, dtype)
     inputs = {"target": target_fingerprint(target_dir), "tokenizer": tok_fp, "data": hash_json(data_manifest)}
     result = {k: getattr(settings, k) for k in RESULT_KEYS} | {"layers": layer_ids}
+    if dtype == FP8:  # what was quantized: fp32 (CPU) and bf16 (GPU) states round to different fp8 bytes
+        result["compute_dtype"] = compute_dtype(settings)
     run_key = hash_json({"inputs": inputs, "result": result, "format": 1})
 
     plans: dict[str, list[ShardPlan]] = {}
@@ -197,6 +199,7 @@ def _capture(data_dir: Path, target_dir: Path, out: Path, settings: CaptureSetti
         _run(todo, target_dir, layer_ids, hidden_size, dtype, out, settings, run_key)
     stats = {}
     for split, samples in splits.items():
+        finish_checksums(out / split, plans[split])
         write_index(out / split, samples, plans[split])
         stats[split] = {"samples": len(samples), "tokens": sum(len(s.input_ids) for s in samples),
                         "supervised_tokens": sum(sum(s.loss_mask) for s in samples), "shards": len(plans[split])}
@@ -204,7 +207,7 @@ def _capture(data_dir: Path, target_dir: Path, out: Path, settings: CaptureSetti
         out, "capture", to_dict(settings), inputs,
         run_key=run_key, layer_ids=layer_ids, aux_layer_ids=layer_ids[:-1], final_state="post_norm",
         final_state_source=FINAL_STATE_SOURCE[settings.backend],
-        dtype=settings.dtype, hidden_size=hidden_size, num_layers=L, vocab_size=vocab_size,
+        dtype=settings.dtype, compute_dtype=compute_dtype(settings), hidden_size=hidden_size, num_layers=L, vocab_size=vocab_size,
         bytes_per_token=bpt, target=str(target_dir), data_dir=str(data_dir.resolve()), splits=stats,
     )
 
@@ -214,34 +217,41 @@ def _run(todo: dict[str, list[ShardPlan]], target_dir: Path, layer_ids: list[int
     if settings.max_model_len is None:  # an engine that sizes itself up front (vllm) needs the longest sample
         longest = max(len(s.input_ids) for plans in todo.values() for p in plans for s in p.samples)
         settings = replace(settings, max_model_len=longest)
-    backend = make_backend(settings.backend, target_dir, layer_ids, settings)
+    backend = make_backend(settings.backend, target_dir, layer_ids, replace(settings, dtype=compute_dtype(settings)))
     try:
         if backend.hidden_size != hidden_size:
             raise NestlingError(f"backend reports hidden size {backend.hidden_size}, config says {hidden_size}")
         log(f"[capture] backend {settings.backend} on {backend.device}")
         meta = {"layer_ids": ",".join(map(str, layer_ids)), "dtype": settings.dtype, "run_key": run_key}
-        write_shards(todo, backend, out, settings, meta)
+        write_shards(todo, backend, out, settings, meta, dtype)
     finally:
         backend.close()
 
 
-def write_shards(todo: dict[str, list[ShardPlan]], backend, out: Path, settings: CaptureSettings, meta: dict) -> int:
-    """Run the planned shards through `backend` into `out/{split}/`; returns bytes written.
-    The forward of batch i+1 runs while the writer thread copies and writes batch i."""
+def write_shards(todo: dict[str, list[ShardPlan]], backend, out: Path, settings: CaptureSettings, meta: dict,
+                 dtype: torch.dtype | None = None) -> int:
+    """Run the planned shards through `backend` into `out/{split}/`, stored as `dtype` (default: the
+    backend's); returns bytes written. The forward of batch i+1 runs while the writer thread copies and
+    writes batch i. float8 is quantized where the states are (the GPU), so half the bytes cross to the host."""
     writer = ShardWriter(settings.queue_size)
     n_ids, H = len(backend.layer_ids), backend.hidden_size
+    dtype = dtype or backend.dtype
+    fp8 = dtype == FP8
     try:
         for split, plans in todo.items():
             prog = Progress(f"capture {split}", total=sum(len(p.samples) for p in plans), unit="samples",
                             interval=settings.progress_interval)
             for plan in plans:
-                if getattr(backend, "writes_shards", False):  # the engine fills the shard file itself (vllm)
+                if getattr(backend, "writes_shards", False) and not fp8:  # the engine fills the shard file (vllm)
                     backend.write_shard(out / split / shard_name(plan.index), plan, meta, settings.token_budget,
                                         lambda b: prog.update(len(b), tokens=sum(len(s.input_ids) for s in b)))
                     continue
-                writer.begin(out / split / shard_name(plan.index), plan, n_ids, H, backend.dtype, meta)
+                writer.begin(out / split / shard_name(plan.index), plan, n_ids, H, dtype, meta)
                 for batch in batches(plan.samples, settings.token_budget):
                     hidden = backend.capture([s.input_ids for s in batch])
+                    if fp8:
+                        hidden, scale = quantize_fp8(hidden)
+                        writer.write_scale(*_to_host(scale))
                     writer.write(*_to_host(hidden))
                     prog.update(len(batch), tokens=sum(len(s.input_ids) for s in batch),
                                 written=format_bytes(writer.bytes_written))

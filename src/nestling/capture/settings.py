@@ -16,14 +16,15 @@ class CaptureSettings:
     `layers` None means DESIGN.md's default `[2, L//2, L-3]` plus the final state L. `token_budget`
     bounds padded tokens per forward (batch size x longest sample). `shard_size` is in bytes or with
     a unit (`1GB`, `512MiB`). `dtype` auto is bfloat16 on a GPU and float32 on a CPU (CPUs without
-    bf16 matrix units run bf16 tens of times slower). The vllm backend also reads
+    bf16 matrix units run bf16 tens of times slower); float8 runs the target in auto's dtype and
+    stores float8_e4m3fn with a float32 scale per token and layer slot (half of bf16's disk). The vllm backend also reads
     `tensor_parallel_size`, `data_parallel_size`, `max_model_len` (None: the longest sample to capture)
     and `vllm_kv_cache_gib` (the CPU build's KV cache size, VLLM_CPU_KVCACHE_SPACE).
     """
 
     backend: Literal["hf", "vllm"] = "hf"
     layers: list[int] | None = None
-    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float32", "float8"] = "auto"
     device: str = "auto"
     device_map: str | None = None
     token_budget: int = 16384
@@ -61,10 +62,17 @@ def resolve(settings: CaptureSettings) -> CaptureSettings:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise NestlingError(f"device {device!r} was asked for but torch sees no CUDA GPU; use --device cpu")
-    dtype = settings.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") or settings.device_map else "float32"
+    dtype = settings.dtype if settings.dtype == "float8" else compute_dtype(settings, device)
     return dataclasses.replace(settings, device=device, dtype=dtype)
+
+
+def compute_dtype(settings: CaptureSettings, device: str | None = None) -> str:
+    """The dtype the target runs in: auto's rule (bf16 on a GPU, fp32 on a CPU) for auto and for float8,
+    whose states are computed at full width and quantized only to be stored."""
+    if settings.dtype not in ("auto", "float8"):
+        return settings.dtype
+    device = device or settings.device
+    return "bfloat16" if device.startswith("cuda") or settings.device_map else "float32"
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,

@@ -18,6 +18,7 @@ import os
 import queue
 import struct
 import threading
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +27,40 @@ import torch
 
 from nestling.data.dataset import Sample
 from nestling.errors import NestlingError
-from nestling.manifest import atomic_write_json, hash_json
+from nestling.manifest import atomic_write_bytes, atomic_write_json, hash_json
 
-ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32", torch.uint8: "U8"}
+ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32", torch.uint8: "U8",
+             torch.float8_e4m3fn: "F8_E4M3"}
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def store_dtype(name: str) -> torch.dtype:
+    """The stored dtype of capture setting `dtype` (resolved: bfloat16, float32 or float8)."""
+    return FP8 if name == "float8" else getattr(torch, name)
+
+
+def quantize_fp8(h: torch.Tensor, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., H] -> (float8_e4m3fn [..., H], float32 scale [...]): each vector divided by amax / 448, so
+    its largest entry lands on fp8's largest value and the rest keep 3 mantissa bits of relative
+    precision. An all-zero vector gets scale 1. Deterministic (round to nearest even), so a resumed
+    capture writes the same bytes. Done `chunk` rows at a time: the fp32 temporaries of a whole 16k-token
+    batch of a 7168-wide target would take ~4 GB beside the weights."""
+    q = torch.empty(h.shape, dtype=FP8, device=h.device)
+    scale = torch.empty(h.shape[:-1], dtype=torch.float32, device=h.device)
+    for a in range(0, max(h.shape[0], 1), chunk):
+        x = h[a:a + chunk].float()
+        amax = x.abs().amax(-1)
+        s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        q[a:a + chunk] = (x / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        scale[a:a + chunk] = s
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale[..., None].float()).to(dtype)
 INDEX = "index.json"
+CHECKSUMS = "checksums.jsonl"
 
 
 def shard_name(i: int) -> str:
@@ -37,8 +68,9 @@ def shard_name(i: int) -> str:
 
 
 def bytes_per_token(n_ids: int, hidden_size: int, dtype: torch.dtype) -> int:
-    """hidden + input_ids (int32) + loss_mask (uint8)."""
-    return n_ids * hidden_size * dtype.itemsize + 4 + 1
+    """hidden + input_ids (int32) + loss_mask (uint8); float8 adds one float32 scale per token and slot."""
+    scale = n_ids * 4 if dtype == torch.float8_e4m3fn else 0
+    return n_ids * hidden_size * dtype.itemsize + scale + 4 + 1
 
 
 @dataclass
@@ -87,11 +119,15 @@ def batches(samples: list[Sample], token_budget: int) -> list[list[Sample]]:
 
 
 def _header(plan: ShardPlan, n_ids: int, hidden_size: int, dtype: torch.dtype, meta: dict) -> bytes:
+    """hidden, then (float8 only) hidden_scale, input_ids, loss_mask: in that order in the data."""
     T = plan.tokens
     nh = T * n_ids * hidden_size * dtype.itemsize
-    head = {
-        "__metadata__": {k: str(v) for k, v in meta.items()},
-        "hidden": {"dtype": ST_DTYPES[dtype], "shape": [T, n_ids, hidden_size], "data_offsets": [0, nh]},
+    head = {"__metadata__": {k: str(v) for k, v in meta.items()},
+            "hidden": {"dtype": ST_DTYPES[dtype], "shape": [T, n_ids, hidden_size], "data_offsets": [0, nh]}}
+    if dtype == FP8:
+        head["hidden_scale"] = {"dtype": "F32", "shape": [T, n_ids], "data_offsets": [nh, nh + 4 * T * n_ids]}
+        nh += 4 * T * n_ids
+    head |= {
         "input_ids": {"dtype": "I32", "shape": [T], "data_offsets": [nh, nh + 4 * T]},
         "loss_mask": {"dtype": "U8", "shape": [T], "data_offsets": [nh + 4 * T, nh + 5 * T]},
     }
@@ -109,6 +145,59 @@ def shard_key(path: Path) -> str | None:
             return (f.metadata() or {}).get("plan")
     except Exception:
         return None
+
+
+def file_crc32(path: Path, chunk: int = 1 << 26) -> tuple[str, int]:
+    """(crc32 as 8 hex digits, size) of a file, read in chunks."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+            size += len(block)
+    return f"{crc:08x}", size
+
+
+def record_checksum(split_dir: Path, shard: str, plan_key: str, crc: str, size: int) -> None:
+    """Append a completed shard's checksum to `{split}/checksums.jsonl` (fsynced): written as the shard
+    completes, so a resumed run keeps the checksums of the shards it keeps without rereading them."""
+    line = json.dumps({"shard": shard, "plan": plan_key, "crc32": crc, "bytes": size}, sort_keys=True) + "\n"
+    with open(Path(split_dir) / CHECKSUMS, "a") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_checksums(split_dir: Path) -> dict[str, dict] | None:
+    """shard name -> its last recorded `{plan, crc32, bytes}`; None when the split records none (a store
+    written before checksums existed). A torn last line (a crash mid-append) is skipped."""
+    path = Path(split_dir) / CHECKSUMS
+    if not path.exists():
+        return None
+    out: dict[str, dict] = {}
+    for line in path.read_text().splitlines():
+        try:
+            e = json.loads(line)
+            out[e["shard"]] = e
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def finish_checksums(split_dir: Path, plans: list["ShardPlan"]) -> None:
+    """Rewrite `checksums.jsonl` with exactly one line per planned shard, in order. A complete shard
+    without a current entry (the run died between its rename and the append, or the store predates
+    checksums) is read once now."""
+    split_dir = Path(split_dir)
+    known = read_checksums(split_dir) or {}
+    lines = []
+    for p in plans:
+        name = shard_name(p.index)
+        e = known.get(name)
+        if e is None or e.get("plan") != p.key:
+            crc, size = file_crc32(split_dir / name)
+            e = {"shard": name, "plan": p.key, "crc32": crc, "bytes": size}
+        lines.append(json.dumps(e, sort_keys=True))
+    atomic_write_bytes(split_dir / CHECKSUMS, ("\n".join(lines) + "\n").encode())
 
 
 def _raw(t: torch.Tensor):
@@ -146,6 +235,11 @@ class ShardWriter:
         """Queue one batch; `release` (if given) is called once its bytes are written."""
         self._put(("hidden", hidden, event, release))
 
+    def write_scale(self, scale: torch.Tensor, event=None, release=None) -> None:
+        """Queue one batch's float8 scales [B, n_ids]; kept in memory (4 bytes per token and slot) and
+        written after the shard's last hidden row, where the header puts them."""
+        self._put(("scale", scale, event, release))
+
     def end(self) -> None:
         self._put(("end",))
 
@@ -174,7 +268,9 @@ class ShardWriter:
         self._thread.join()
 
     def _run(self) -> None:
-        f = tmp = plan = None
+        f = tmp = plan = path = None
+        crc = 0
+        scales: list[bytes] = []
         try:
             while True:
                 try:
@@ -192,27 +288,41 @@ class ShardWriter:
                     tmp = path.with_name(f".{path.name}.tmp")
                     f = open(tmp, "wb")
                     f.write(header)
+                    crc = zlib.crc32(header)
+                    scales = []
                     self.bytes_written += len(header)
                 elif item[0] == "hidden":
                     _, hidden, event, release = item
                     if event is not None:
                         event.synchronize()
-                    f.write(_raw(hidden))
+                    raw = _raw(hidden)
+                    f.write(raw)
+                    crc = zlib.crc32(raw, crc)
                     self.bytes_written += hidden.numel() * hidden.element_size()
+                    if release is not None:
+                        release()
+                elif item[0] == "scale":
+                    _, scale, event, release = item
+                    if event is not None:
+                        event.synchronize()
+                    scales.append(_raw(scale).tobytes())
                     if release is not None:
                         release()
                 else:
                     ids = torch.tensor([t for s in plan.samples for t in s.input_ids], dtype=torch.int32)
                     mask = torch.tensor([t for s in plan.samples for t in s.loss_mask], dtype=torch.uint8)
-                    f.write(_raw(ids))
-                    f.write(_raw(mask))
+                    for t in (b"".join(scales), _raw(ids), _raw(mask)):
+                        f.write(t)
+                        crc = zlib.crc32(t, crc)
                     f.flush()
                     os.fsync(f.fileno())
+                    size = f.tell()
                     f.close()
                     f = None
+                    record_checksum(path.parent, path.name, plan.key, f"{crc:08x}", size)
                     os.replace(tmp, path)
                     tmp = None
-                    self.bytes_written += 5 * len(ids)
+                    self.bytes_written += 5 * len(ids) + sum(map(len, scales))
         except BaseException as e:  # surfaced in the main thread by _check
             if not isinstance(e, _Aborted):
                 self.error = e
@@ -268,6 +378,9 @@ class CaptureDataset(torch.utils.data.Dataset):
         self.index = read_index(self.dir, split)
         self.max_open = max_open
         self._open: OrderedDict = OrderedDict()
+        # a float8 store reads back in the dtype the target ran in, as a bf16 or fp32 store would
+        self.fp8 = self.manifest.get("dtype") == "float8"
+        self.read_dtype = getattr(torch, self.manifest.get("compute_dtype") or "bfloat16")
 
     def __len__(self) -> int:
         return len(self.index)
@@ -293,6 +406,8 @@ class CaptureDataset(torch.utils.data.Dataset):
         f = self._handle(e["shard"])
         a, b = e["offset"], e["offset"] + e["length"]
         hidden = f.get_slice("hidden")[a:b]
+        if self.fp8:
+            hidden = dequantize_fp8(hidden, f.get_slice("hidden_scale")[a:b], self.read_dtype)
         T = hidden.shape[0]
         return {
             "sample_id": e["sample_id"],

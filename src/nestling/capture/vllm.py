@@ -194,7 +194,7 @@ class VLLMBackend(Backend):
 
         The file is built under the store's temporary name and renamed when every row is in, exactly
         like the hf backend's shards (same header, so the same plan key makes resume work alike)."""
-        from nestling.capture.store import _header, batches
+        from nestling.capture.store import _header, batches, file_crc32, record_checksum
 
         n_ids, T = len(self.layer_ids), plan.tokens
         header = _header(plan, n_ids, self.hidden_size, self.dtype, {**meta, "plan": plan.key})
@@ -221,6 +221,7 @@ class VLLMBackend(Backend):
                                                           for s in plan.samples])
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())  # the worker's writes too: fsync flushes the file, whoever wrote it
+        record_checksum(Path(path).parent, Path(path).name, plan.key, *file_crc32(tmp))  # the engine wrote the rows
         os.replace(tmp, path)
 
     def capture(self, seqs: list[list[int]]) -> torch.Tensor:

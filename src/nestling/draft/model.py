@@ -100,6 +100,18 @@ class DraftConfig:
             raise NestlingError(f"{path} is missing: not a nestling training folder")
         return cls(**json.loads(path.read_text()))
 
+    def trainable_params(self) -> int:
+        """Parameters training updates (fc, the decoder layers, norm, lm_head; not the frozen embedding),
+        counted from the shapes alone: `nestling plan` sizes a 1T target's draft without building it."""
+        H, hd = self.hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
+
+        def layer(width: int, norms: int) -> int:
+            return width * (q + 2 * kv) + q * H + 3 * H * self.intermediate_size + norms * H
+
+        return (len(self.aux_layer_ids) * H * H + layer(2 * H, 3)
+                + (self.num_hidden_layers - 1) * layer(H, 2) + H + self.draft_vocab_size * H)
+
     def llama_config(self):
         """The equivalent transformers LlamaConfig (for rotary init and for export)."""
         from transformers import LlamaConfig

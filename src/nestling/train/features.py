@@ -279,21 +279,32 @@ def target_weight_bytes(target: Path, dtype: str) -> int:
     return int(files * width.get(dtype, 2) / width.get(stored, 2))
 
 
+def draft_memory(trainable: int, hidden: int, vocab: int, inter: int, n_aux: int, draft_vocab: int,
+                 ttt_steps: int, batch_tokens: int) -> dict[str, int]:
+    """A rough upper bound of what training the draft holds on one device (docs/train.md), by part:
+    fp32 weights, grads and Adam moments of the trainable part (16 B/param), the frozen embedding and
+    teacher rows in bf16, the K steps' activations and draft-vocabulary logits of one microbatch plus
+    the incoming states. Shared by `online: auto` and `nestling plan`."""
+    H, dv, K, T = hidden, draft_vocab, ttt_steps, batch_tokens
+    return {"weights_grads_adam": 16 * trainable, "frozen_embedding_teacher": 2 * vocab * H * 2,
+            "activations": T * K * (dv * 4 * 2 + 40 * H * 4) + T * ((n_aux + 5) * H + 3 * inter) * 2}
+
+
 def draft_bytes_estimate(target: Path, s: "TrainSettings") -> int:
-    """A rough upper bound of what training the draft holds on the device (docs/train.md): fp32 weights,
-    grads and Adam moments of the trainable part, the frozen embedding and teacher rows in bf16, the K
-    steps' activations and draft-vocabulary logits of one microbatch, the target's transient activations."""
+    """`draft_memory` summed for the draft `s` would train on `target`."""
+    from nestling.draft.model import DraftConfig
+    from nestling.target.layers import default_aux_layers, num_layers
     from nestling.target.load import load_config
 
-    text = getattr(load_config(target), "text_config", None) or load_config(target)
-    H, V = int(text.hidden_size), int(text.vocab_size)
-    inter = int(s.intermediate_size or getattr(text, "intermediate_size", 4 * H))
-    dv, K, T = min(s.draft_vocab_size, V), s.ttt_steps, s.batch_tokens
-    n_aux = len(s.aux_layer_ids) if s.aux_layer_ids else 3
-    trainable = n_aux * H * H + 2 * H * 2 * H + H * H + 3 * H * inter + dv * H
-    frozen = 2 * V * H * 2
-    activations = T * K * (dv * 4 * 2 + 40 * H * 4) + T * ((n_aux + 5) * H + 3 * inter) * 2
-    return 16 * trainable + frozen + activations
+    config = load_config(target)
+    text = getattr(config, "text_config", None) or config
+    aux = list(s.aux_layer_ids) if s.aux_layer_ids else default_aux_layers(num_layers(config))
+    c = DraftConfig.from_target(config, min(s.draft_vocab_size, int(text.vocab_size)), aux,
+                                num_hidden_layers=s.draft_layers)
+    if s.intermediate_size:
+        c.intermediate_size = s.intermediate_size
+    return sum(draft_memory(c.trainable_params(), c.hidden_size, c.vocab_size, c.intermediate_size, len(aux),
+                            c.draft_vocab_size, s.ttt_steps, s.batch_tokens).values())
 
 
 def choose_online(s: "TrainSettings", target: Path) -> tuple[bool, str]:

@@ -1,0 +1,1 @@
+"""`nestling plan`: what a draft for a target will cost (disk, GPU memory, time) before anything loads."""

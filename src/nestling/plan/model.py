@@ -1,0 +1,204 @@
+"""What a target costs, from its config.json alone: parameters (total and active per token), FLOPs per
+token, and weight bytes at the checkpoint's quantization.
+
+Pure arithmetic over the config dict, so a 1T-parameter target is planned on a laptop before a byte
+of it is downloaded. Covers dense Llama-style targets and DeepSeek-V3-style ones (MLA attention,
+MoE with shared experts and leading dense layers: DeepSeek-V3, Kimi-K2).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from nestling.errors import NestlingError
+
+# Parameter groups, each named by a representative module path as transformers/vLLM spell it, so a
+# quantization_config's `ignore` patterns can be matched against it.
+GROUP_MODULES = {
+    "attention": "model.layers.{i}.self_attn.o_proj",
+    "dense_mlp": "model.layers.{i}.mlp.down_proj",
+    "shared_experts": "model.layers.{i}.mlp.shared_experts.down_proj",
+    "routed_experts": "model.layers.{i}.mlp.experts.0.down_proj",
+    "router": None,  # a plain parameter (MoEGate), never a quantized Linear
+    "embed_tokens": None,  # an Embedding, not a Linear: compressed-tensors and fp8 leave it in bf16
+    "lm_head": "lm_head",
+    "norms": None,
+}
+
+
+def read_config(path: str | Path) -> dict:
+    """config.json of a model folder (or the file itself), as a dict; the text part of a multimodal one
+    keeps the top level's quantization_config."""
+    p = Path(path)
+    f = p / "config.json" if p.is_dir() else p
+    if not f.is_file():
+        raise NestlingError(f"{path}: no config.json there; give a model folder or the path of its config.json")
+    try:
+        cfg = json.loads(f.read_text())
+    except ValueError as e:
+        raise NestlingError(f"{f} is not valid JSON ({e})") from None
+    return text_config(cfg)
+
+
+def text_config(cfg: dict) -> dict:
+    """The language model's config (Kimi-K2.5 and other multimodal wrappers nest it in text_config)."""
+    text = cfg.get("text_config")
+    if isinstance(text, dict):
+        return {**text, "quantization_config": text.get("quantization_config") or cfg.get("quantization_config")}
+    return cfg
+
+
+def _need(cfg: dict, *keys: str) -> list[int]:
+    missing = [k for k in keys if cfg.get(k) is None]
+    if missing:
+        raise NestlingError(f"the target's config.json has no {', '.join(missing)}; nestling plan needs them "
+                            f"to count parameters")
+    return [int(cfg[k]) for k in keys]
+
+
+def is_mla(cfg: dict) -> bool:
+    return cfg.get("kv_lora_rank") is not None
+
+
+def n_moe_layers(cfg: dict) -> int:
+    """Layers whose MLP is a mixture of experts (DeepSeek: all but the first `first_k_dense_replace`)."""
+    if not cfg.get("n_routed_experts"):
+        return 0
+    L = int(cfg["num_hidden_layers"])
+    freq = int(cfg.get("moe_layer_freq") or 1)
+    first = int(cfg.get("first_k_dense_replace") or 0)
+    return sum(1 for i in range(first, L) if (i - first) % freq == 0)
+
+
+def attention_params(cfg: dict) -> int:
+    """One layer's attention projections: MLA's low-rank q/kv factors, or plain q/k/v/o."""
+    H, heads = _need(cfg, "hidden_size", "num_attention_heads")
+    if is_mla(cfg):
+        kv_lora, rope, nope, v = _need(cfg, "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+        qk = rope + nope
+        q_lora = cfg.get("q_lora_rank")
+        q = H * q_lora + q_lora * heads * qk if q_lora else H * heads * qk
+        kv = H * (kv_lora + rope) + kv_lora * heads * (nope + v)
+        return q + kv + heads * v * H
+    hd = int(cfg.get("head_dim") or H // heads)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    return H * heads * hd * 2 + H * kv_heads * hd * 2
+
+
+@dataclass
+class ParamCount:
+    """Parameters by group: `total` as stored, `active` as one token meets them (top-k experts only)."""
+
+    total: dict[str, int]
+    active: dict[str, int]
+
+    @property
+    def n_total(self) -> int:
+        return sum(self.total.values())
+
+    @property
+    def n_active(self) -> int:
+        return sum(self.active.values())
+
+    @property
+    def decoder_active(self) -> int:
+        """Matmul parameters one token's forward uses below the head (what capture runs)."""
+        return sum(v for k, v in self.active.items() if k not in ("embed_tokens", "lm_head", "norms"))
+
+
+def count_params(cfg: dict) -> ParamCount:
+    H, L, V = _need(cfg, "hidden_size", "num_hidden_layers", "vocab_size")
+    n_moe = n_moe_layers(cfg)
+    n_dense = L - n_moe
+    inter = int(cfg.get("intermediate_size") or 4 * H)
+    total = {"attention": L * attention_params(cfg), "dense_mlp": n_dense * 3 * H * inter,
+             "embed_tokens": V * H, "lm_head": 0 if cfg.get("tie_word_embeddings") else V * H,
+             "norms": (2 * L + 1) * H}
+    active = dict(total)
+    if n_moe:
+        E, k = _need(cfg, "n_routed_experts", "num_experts_per_tok")
+        moe_inter = int(cfg.get("moe_intermediate_size") or inter)
+        shared = int(cfg.get("n_shared_experts") or 0)
+        expert = 3 * H * moe_inter
+        total |= {"routed_experts": n_moe * E * expert, "shared_experts": n_moe * shared * expert,
+                  "router": n_moe * E * H}
+        active |= {"routed_experts": n_moe * k * expert, "shared_experts": n_moe * shared * expert,
+                   "router": n_moe * E * H}
+    if is_mla(cfg):  # the q and kv low-rank norms
+        extra = L * (int(cfg["kv_lora_rank"]) + int(cfg.get("q_lora_rank") or 0))
+        total["norms"] += extra
+        active["norms"] += extra
+    return ParamCount(total, active)
+
+
+def flops_per_token(cfg: dict, seq_len: int) -> float:
+    """Forward FLOPs of one token of the decoder (no head: capture stops at the final norm): 2 per active
+    matmul parameter plus causal attention over an average context of seq_len / 2."""
+    H, L, heads = _need(cfg, "hidden_size", "num_hidden_layers", "num_attention_heads")
+    if is_mla(cfg):
+        qk = int(cfg["qk_rope_head_dim"]) + int(cfg["qk_nope_head_dim"])
+        v = int(cfg["v_head_dim"])
+    else:
+        qk = v = int(cfg.get("head_dim") or H // heads)
+    attn = 2 * L * heads * (qk + v) * seq_len / 2
+    return 2.0 * count_params(cfg).decoder_active + attn
+
+
+# ---- quantization -------------------------------------------------------------------------------------
+
+@dataclass
+class Quant:
+    """Bits per weight (scales included) of the quantized Linear layers; `ignore` patterns stay bf16."""
+
+    name: str
+    bits: float
+    ignore: list[str]
+
+    def quantized(self, module: str | None) -> bool:
+        if module is None or self.bits >= 16:
+            return False
+        for pat in self.ignore:
+            if pat.startswith("re:") and re.match(pat[3:], module) or pat == module:
+                return False
+        return True
+
+
+def quantization(cfg: dict) -> Quant:
+    """Read quantization_config: compressed-tensors (W4A16 pack-quantized, W8A8, ...), fp8 blocks, or none."""
+    q = cfg.get("quantization_config") or {}
+    method = q.get("quant_method")
+    if not method:
+        return Quant("bf16", 16.0, [])
+    if method == "fp8":
+        block = q.get("weight_block_size") or [128, 128]
+        return Quant("fp8 (block scales)", 8 + 32 / (block[0] * block[1]), list(q.get("ignored_layers") or ["lm_head"]))
+    if method == "compressed-tensors":
+        groups = [g.get("weights") or {} for g in (q.get("config_groups") or {}).values()]
+        if not groups:
+            raise NestlingError("the target's compressed-tensors quantization_config has no config_groups")
+        w = groups[0]
+        bits = int(w.get("num_bits") or 16)
+        gs = w.get("group_size")
+        scale = 16 / gs if w.get("strategy") == "group" and gs else 0.0  # one bf16 scale per group
+        zero = scale if w.get("symmetric") is False else 0.0
+        fmt = q.get("format") or "compressed-tensors"
+        return Quant(f"W{bits}A16 {fmt}" + (f" g{gs}" if gs else ""), bits + scale + zero, list(q.get("ignore") or []))
+    raise NestlingError(f"nestling plan does not know quant_method {method!r}; it reads compressed-tensors, "
+                        f"fp8 and unquantized (bf16) checkpoints")
+
+
+def weight_bytes(cfg: dict, params: ParamCount | None = None) -> dict[str, float]:
+    """Bytes of each parameter group at the checkpoint's quantization (bf16 where not quantized)."""
+    params = params or count_params(cfg)
+    q = quantization(cfg)
+    first_moe = int(cfg.get("first_k_dense_replace") or 0)
+    out = {}
+    for group, n in params.total.items():
+        module = GROUP_MODULES.get(group)
+        if module:
+            module = module.format(i=first_moe if "experts" in group else 0)
+        out[group] = n * (q.bits if q.quantized(module) else 16) / 8
+    return out

@@ -1,0 +1,49 @@
+"""Settings of `nestling plan` (flags and `key=value` overrides share these names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nestling.errors import NestlingError
+
+
+@dataclass
+class PlanSettings:
+    """The data size, the machine, and the capture/train settings that change the cost.
+
+    `tokens` or `data` (a data-stage folder whose manifest counts them) gives the data size. Sizes
+    take units (`96GB`, `4TB`); `disk` None skips the disk check. `gpu_tflops` None assumes GPUs as
+    fast as the measured one (an H200). `seq_len` is the typical sample length (attention FLOPs).
+    The rest mirror capture's and train's settings of the same names.
+    """
+
+    tokens: int | None = None
+    data: str | None = None
+    gpus: int = 8
+    gpu_memory: str = "80GB"
+    disk: str | None = None
+    gpu_tflops: float | None = None
+    memory_utilization: float = 0.9  # share of each GPU's memory a run may use (vLLM's default)
+    layers: list[int] | None = None
+    seq_len: int = 2048
+    token_budget: int = 16384
+    batch_tokens: int = 4096
+    ttt_steps: int = 7
+    draft_vocab_size: int = 32000
+    draft_layers: int = 1
+    intermediate_size: int = 0
+    epochs: float = 1.0
+    results: str | None = None  # benchmark results folder (default: the checkout's benchmarks/results)
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise NestlingError(f"gpus must be at least 1, got {self.gpus}")
+        if self.tokens is not None and self.tokens < 1:
+            raise NestlingError(f"tokens must be positive, got {self.tokens}")
+        if not 0 < self.memory_utilization <= 1:
+            raise NestlingError(f"memory_utilization is a share of GPU memory in (0, 1], got {self.memory_utilization}")
+        for name in ("seq_len", "token_budget", "batch_tokens", "ttt_steps", "draft_vocab_size", "draft_layers"):
+            if getattr(self, name) < 1:
+                raise NestlingError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.epochs <= 0:
+            raise NestlingError(f"epochs must be positive, got {self.epochs}")
