@@ -293,3 +293,20 @@ def test_a_second_train_on_the_same_folder_is_refused(capture, tmp_path, capsys)
     # the lock died with the process: the next run gets the folder (and is told to resume it)
     refused(["train", str(capture), "--out", str(out), "--steps", "2", *TRAIN], capsys,
             "already holds checkpoints; pass --resume")
+
+
+# ---- every file a stage writes is one it may delete again ----------------------------------------
+
+def test_every_file_a_stage_writes_is_in_its_owned_names(data_dir, target, trained, draft, tmp_path):
+    """A stage restarted on its folder removes only `outdir.OWNS[stage]`: a name missing there would
+    survive the restart and mix an old run's file (a stale checksum, a metric) into the new one."""
+    from nestling import outdir
+
+    captured = tmp_path / "capture"  # a real capture (the shared fixture is built by hand)
+    with threads(1):
+        assert main(["capture", str(data_dir), "--target", str(target), "--out", str(captured)]) == 0
+    assert (captured / "train" / "checksums.jsonl").is_file()
+    for stage, folder in (("data", data_dir), ("capture", captured), ("train", trained), ("export", draft)):
+        owned = set(outdir.owned(folder, stage))
+        written = {p for p in Path(folder).rglob("*") if p.is_file() and not any(q in owned for q in p.parents)}
+        assert written - owned == set(), (stage, sorted(str(p.relative_to(folder)) for p in written - owned))

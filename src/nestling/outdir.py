@@ -39,7 +39,8 @@ OWNS: dict[str, tuple[str, ...]] = {
     "regenerate": ("messages.jsonl", "failed.jsonl", "state.json", ".state.json.*.tmp"),
     "data": ("train-*.parquet", "heldout-*.parquet", ".train-*.parquet.tmp", ".heldout-*.parquet.tmp"),
     "capture": tuple(f"{split}/{name}" for split in ("train", "heldout") for name in (
-        "shard-*.safetensors", ".shard-*.safetensors.tmp", "index.json", ".index.json.*.tmp")),
+        "shard-*.safetensors", ".shard-*.safetensors.tmp", "index.json", ".index.json.*.tmp",
+        "checksums.jsonl", ".checksums.jsonl.*.tmp")),
     "train": ("draft_config.json", "vocab.safetensors", ".vocab.safetensors.tmp", "model.safetensors",
               ".model.safetensors.tmp", "metrics.jsonl", "plot.png", ".plot.png.tmp.png",
               "checkpoints/step-*", "checkpoints/.tmp-step-*", "tensorboard/events.out.tfevents.*"),
