@@ -24,7 +24,7 @@ ARGS = ["--ttt-steps", "3", "batch_tokens=48", "draft_vocab_size=100", "lr=3e-3"
         "progress_interval=100"]
 
 
-def make_data(out: Path, target: Path, n_train: int = 12, n_heldout: int = 4) -> Path:
+def make_data(out: Path, target: Path, n_train: int = 12, n_heldout: int = 4, prompt_len: int = 4) -> Path:
     """A data-stage folder (docs/formats.md) whose answers the target itself continued greedily, so
     the teacher's tokens fall inside a small draft vocabulary and the losses are not trivially 0."""
     from nestling.data.dataset import Sample, write_shard
@@ -36,7 +36,7 @@ def make_data(out: Path, target: Path, n_train: int = 12, n_heldout: int = 4) ->
     splits = {}
     for split, n, seed in (("train", n_train, 0), ("heldout", n_heldout, 1000)):
         ss = [Sample(sid, i, ids.tolist(), mask.int().tolist()) for i, (sid, ids, mask) in
-              enumerate(make_samples(n, seed, model))]
+              enumerate(make_samples(n, seed, model, prompt_len=prompt_len))]
         write_shard(out / f"{split}-00000.parquet", ss)
         splits[split] = {"samples": n, "tokens": sum(len(s.input_ids) for s in ss), "files": [f"{split}-00000.parquet"]}
     write_manifest(out, "data", {}, {"tokenizer": tokenizer_fingerprint(load_tokenizer(target)), "data": ["test"]},
