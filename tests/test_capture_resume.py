@@ -25,6 +25,7 @@ def store_files(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file() and p.name != "manifest.json"}
 
 
+@pytest.mark.slow
 def test_kill9_then_resume_equals_uninterrupted(tiny_target, tmp_path):
     target = tiny_target("llama")
     tok = AutoTokenizer.from_pretrained(target)

@@ -4,6 +4,7 @@ in fp32; sampling: the same distribution), and it refuses a draft from another t
 from __future__ import annotations
 
 import pytest
+from capture_fixture import one_thread  # noqa: F401 (autouse: one thread for tiny shapes)
 import torch
 
 from eagle_helpers import make_train_dir, new_draft
