@@ -7,6 +7,7 @@ architecture we support, and proves padding and batch composition never change a
 from __future__ import annotations
 
 import pytest
+from capture_fixture import one_thread  # noqa: F401 (autouse: one thread for tiny shapes)
 import torch
 from transformers import AutoTokenizer
 

@@ -25,6 +25,7 @@ def store_files(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file() and p.name != "manifest.json"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "float8"])
 def test_kill9_then_resume_equals_uninterrupted(tiny_target, tmp_path, dtype):
     """float8 too: its scales are held until a shard's end, and the quantization is deterministic."""

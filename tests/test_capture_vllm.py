@@ -151,6 +151,7 @@ def test_refuses_mla_target(tiny_target, tmp_path):
     assert not (tmp_path / "cap" / "manifest.json").exists()
 
 
+@pytest.mark.slow
 def test_refuses_mla_target_cli_without_traceback(tiny_target, tmp_path):
     target = tiny_target("deepseek_v3")
     data = _data(tmp_path, target, n_train=2, n_heldout=0)

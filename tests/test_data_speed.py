@@ -69,6 +69,7 @@ def qwen2_target(tmp_path):
     return target
 
 
+@pytest.mark.slow
 def test_head_start_is_discarded_when_autotokenizer_differs(tmp_path, qwen2_target, sharegpt_path, capsys):
     from transformers import AutoTokenizer
 
@@ -99,6 +100,7 @@ def _run_data(source, target, out, cache) -> tuple[dict, dict, str]:
     return json.loads(res.stdout.strip().splitlines()[-1]), json.loads((out / "manifest.json").read_text()), res.stderr
 
 
+@pytest.mark.slow
 def test_verified_tokenizer_match_is_remembered(tmp_path, smollm2_dir, sharegpt_path):
     target = tmp_path / "target"  # a copy, so a tokenizer file can be changed below
     shutil.copytree(smollm2_dir, target, ignore=shutil.ignore_patterns("*.safetensors"))
@@ -117,6 +119,7 @@ def test_verified_tokenizer_match_is_remembered(tmp_path, smollm2_dir, sharegpt_
     assert_same_output(tmp_path / "a", tmp_path / "c", m1, m3)
 
 
+@pytest.mark.slow
 def test_a_damaged_or_unusable_match_record_only_costs_the_speed_up(tmp_path, smollm2_dir, sharegpt_path, monkeypatch, capsys):
     """A corrupt record, a record for another tokenizer guess, or a cache that cannot be written:
     the run verifies with AutoTokenizer as if there were no record, and the output is unchanged."""

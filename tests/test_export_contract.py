@@ -45,8 +45,8 @@ def test_native_folder_matches_contract(train_dir, tiny_target, tmp_path):
 
 
 def test_sglang_loading_rules(train_dir, tmp_path):
-    """SGLang does not run here; this reads the folder the way SGLang's EAGLE-3 loader does (DESIGN.md):
-    `eagle_config.eagle_aux_hidden_state_layer_ids` + SGLang's own +1 (it captures at the *input* of
+    """SGLang does not run here; this reads the folder the way SGLang's EAGLE-3 loader does
+    (docs/architecture.md, "The export contract"): `eagle_config.eagle_aux_hidden_state_layer_ids` + SGLang's own +1 (it captures at the *input* of
     layer id+1), `d2t` as offsets (hot_token_id = arange + d2t), `t2d` ignored."""
     out = export(train_dir, tmp_path / "d")
     cfg = json.loads((out / "config.json").read_text())

@@ -73,6 +73,7 @@ def test_too_little_disk_fails_before_training(cfg, tmp_path, capsys, monkeypatc
     assert not (scratch / "train").exists()  # and training did not start
 
 
+@pytest.mark.slow
 def test_doctor_runs_every_stage_for_real(tmp_path, capsys, monkeypatch):
     # vLLM loading the exported draft is the same eval code path the demo test runs with vLLM;
     # here the reference decoder alone keeps the suite short.

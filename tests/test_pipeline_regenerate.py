@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from nestling.pipeline import run
 
 
+@pytest.mark.slow
 def test_regenerate_feeds_data(tmp_path, tiny_target, sharegpt_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import nestling
 
 SRC = str(Path(nestling.__file__).resolve().parents[1])
@@ -53,6 +55,7 @@ def finish(cfg: Path, log: Path) -> str:
     return log.read_text()
 
 
+@pytest.mark.slow
 def test_kill_during_capture_and_train_then_same_draft(tmp_path, tiny_target, sharegpt_path):
     from safetensors.torch import load_file
 

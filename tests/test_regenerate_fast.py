@@ -64,6 +64,7 @@ def test_fast_greedy_equals_generate_on_a_tiny_model_with_refills(arch, tiny_tar
     assert engine.generate(reqs[:2]) == got[:2]  # a second call reuses the decoder and its cache
 
 
+@pytest.mark.slow
 def test_fast_greedy_equals_generate_on_smollm2(smollm2_dir):
     from nestling.regenerate.chat import render_prompt
 
@@ -141,6 +142,7 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "messages.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_n_samples_are_distinct_and_repeat_on_a_rerun(uninterrupted, conversations, tiny_target, tmp_path):
     rows = _rows(uninterrupted)
     assert [(r["id"], r["sample"]) for r in rows] == [(f"c{i}", k) for i in range(N_CONV) for k in range(N)]
@@ -162,6 +164,7 @@ def test_n_above_one_needs_sampling(conversations, tiny_target, tmp_path):
         regenerate(conversations, tiny_target("llama"), tmp_path / "out", RegenerateSettings(engine="hf", n=2))
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_equals_uninterrupted(uninterrupted, conversations, tiny_target, tmp_path):
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "nestling", "regenerate", str(conversations), "--target", str(tiny_target("llama")),

@@ -37,6 +37,7 @@ def one_process(capture, tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel, recipe", [("ddp", "default"), ("fsdp", "default"), ("ddp", "peer"), ("fsdp", "peer")])
 def test_two_processes_equal_one_with_accumulation(capture, one_process, tmp_path, parallel, recipe):
     one, two = one_process(recipe), tmp_path / "two"

@@ -24,7 +24,7 @@ ARGS = ["--ttt-steps", "3", "batch_tokens=48", "draft_vocab_size=100", "lr=3e-3"
         "progress_interval=100"]
 
 
-def make_data(out: Path, target: Path, n_train: int = 12, n_heldout: int = 4) -> Path:
+def make_data(out: Path, target: Path, n_train: int = 12, n_heldout: int = 4, prompt_len: int = 4) -> Path:
     """A data-stage folder (docs/formats.md) whose answers the target itself continued greedily, so
     the teacher's tokens fall inside a small draft vocabulary and the losses are not trivially 0."""
     from nestling.data.dataset import Sample, write_shard
@@ -36,7 +36,7 @@ def make_data(out: Path, target: Path, n_train: int = 12, n_heldout: int = 4) ->
     splits = {}
     for split, n, seed in (("train", n_train, 0), ("heldout", n_heldout, 1000)):
         ss = [Sample(sid, i, ids.tolist(), mask.int().tolist()) for i, (sid, ids, mask) in
-              enumerate(make_samples(n, seed, model))]
+              enumerate(make_samples(n, seed, model, prompt_len=prompt_len))]
         write_shard(out / f"{split}-00000.parquet", ss)
         splits[split] = {"samples": n, "tokens": sum(len(s.input_ids) for s in ss), "files": [f"{split}-00000.parquet"]}
     write_manifest(out, "data", {}, {"tokenizer": tokenizer_fingerprint(load_tokenizer(target)), "data": ["test"]},
@@ -133,6 +133,7 @@ def test_online_losses_equal_offline(data, capture_dir, target, tmp_path, capsys
     assert "checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_online_kill_then_resume_equals_straight_run(data, target, tmp_path):
     args = ["--online", "--target", str(target), "--steps", "8", *ARGS, "checkpoint_every=3", "eval_every=4"]
     straight = tmp_path / "straight"
@@ -160,6 +161,7 @@ def test_online_kill_then_resume_equals_straight_run(data, target, tmp_path):
     assert _losses(straight) == _losses(out)
 
 
+@pytest.mark.slow
 def test_online_ddp_equals_one_process_with_accumulation(data, target, tmp_path):
     args = ["--online", "--target", str(target), "--steps", "3", *ARGS, "eval_every=3", "eval_batches=3"]
     one, two = tmp_path / "one", tmp_path / "two"
@@ -232,6 +234,7 @@ def test_pipeline_auto_picks_a_mode_and_says_why(tiny_target, sharegpt_path, tmp
     assert [s["stage"] for s in report["stages"]] == ["data", "train", "export", "eval"]
 
 
+@pytest.mark.slow
 def test_online_heldout_data_replaces_the_heldout_split(data, target, tmp_path, capsys):
     """heldout_data: the evaluation runs over every sample of another data folder (here the same
     folder, so train + heldout), not the training folder's held-out split; it does not change training."""

@@ -32,6 +32,7 @@ def _train_in_process(capture, out):
     assert main(["train", str(capture), "--out", str(out), *ARGS]) == 0
 
 
+@pytest.mark.slow
 def test_kill_then_resume_equals_straight_run(capture, tmp_path):
     straight = tmp_path / "straight"
     _train_in_process(capture, straight)  # one thread, like the subprocesses: bitwise comparable

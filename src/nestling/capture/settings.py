@@ -13,7 +13,7 @@ from nestling.errors import NestlingError
 class CaptureSettings:
     """How to run the target and how to store what it produces.
 
-    `layers` None means DESIGN.md's default `[2, L//2, L-3]` plus the final state L. `token_budget`
+    `layers` None means docs/architecture.md's default `[2, L//2, L-3]` plus the final state L. `token_budget`
     bounds padded tokens per forward (batch size x longest sample). `shard_size` is in bytes or with
     a unit (`1GB`, `512MiB`). `dtype` auto is bfloat16 on a GPU and float32 on a CPU (CPUs without
     bf16 matrix units run bf16 tens of times slower); float8 runs the target in auto's dtype and

@@ -1,4 +1,5 @@
-"""The EAGLE-3 draft, exactly as DESIGN.md defines it, with tensor names equal to the export contract.
+"""The EAGLE-3 draft, exactly as docs/architecture.md ("The draft, exactly") defines it, with tensor
+names equal to the export contract.
 
     g      = fc(concat(a1, a2, a3))                          (first step only)
     x      = concat(input_layernorm(embed(tok)), hidden_norm(g))   -> attention (q/k/v take 2H)
