@@ -40,7 +40,7 @@ def sharegpt_conversations(path: Path, n: int) -> list[list[dict]]:
 
 def tokenize(target: Path, convs: list[list[dict]], max_length: int):
     from nestling.data.dataset import Sample
-    from nestling.target.load import load_tokenizer
+    from nestling.targets.load import load_tokenizer
 
     tok = load_tokenizer(target)
     samples = []
@@ -97,8 +97,8 @@ def main() -> None:
     from nestling.assets import sharegpt_json, smollm2_dir
     from nestling.capture.settings import CaptureSettings
     from nestling.capture.store import batches as make_batches
-    from nestling.target.layers import default_capture_layers, num_layers
-    from nestling.target.load import load_config
+    from nestling.targets.layers import default_capture_layers, num_layers
+    from nestling.targets.load import load_config
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, help="model folder (default: SmolLM2-135M-Instruct)")

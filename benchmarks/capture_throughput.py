@@ -31,7 +31,7 @@ from nestling.capture.run import write_shards  # noqa: E402
 from nestling.capture.settings import CaptureSettings, parse_size  # noqa: E402
 from nestling.capture.store import batches, bytes_per_token, plan_shards  # noqa: E402
 from nestling.data.dataset import Sample  # noqa: E402
-from nestling.target.layers import default_capture_layers  # noqa: E402
+from nestling.targets.layers import default_capture_layers  # noqa: E402
 
 LLAMA8B = dict(hidden_size=4096, num_hidden_layers=32, vocab_size=128256, intermediate_size=14336,
                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
@@ -46,7 +46,7 @@ def build_model(shape: str, device: str, dtype: torch.dtype, target: str | None)
         with torch.device(device):  # random init straight on the GPU: no weights on disk, no host copy
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
         return model.eval()
-    from nestling.target.load import load_model
+    from nestling.targets.load import load_model
 
     if target is None:
         from nestling.assets import smollm2_dir

@@ -54,7 +54,7 @@ def main() -> None:
     from nestling.assets import sharegpt_json, smollm2_dir
     from nestling.data.prepare import _match_record, prepare_data
     from nestling.data.settings import DataSettings
-    from nestling.target.load import resolve_target
+    from nestling.targets.load import resolve_target
 
     src = args.input or sharegpt_json()
     target = args.target or smollm2_dir()

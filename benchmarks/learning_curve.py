@@ -96,7 +96,7 @@ def ensure_target(b: Bench) -> None:
     """A float32 folder from the GGUF (the same bytes on every machine, so fingerprints agree)."""
     import hashlib
 
-    from nestling.target.load import convert_gguf
+    from nestling.targets.load import convert_gguf
 
     src = b.args.target
     if (b.target / "config.json").exists():

@@ -141,7 +141,7 @@ def measure(args, draft: Path, target: str, prompts_path: Path, prompts: list[li
 def evaluate_draft(args, draft: Path, target: str, prompts_path: Path, out: Path) -> None:
     """The CPU leg: acceptance of an already trained draft in vLLM / the reference decoder, plus ngram."""
     from nestling.evaluate.prompts import load_prompts
-    from nestling.target.load import load_tokenizer
+    from nestling.targets.load import load_tokenizer
 
     prompts = load_prompts(prompts_path, load_tokenizer(target))[: args.max_prompts]
     rows, stage_s = measure(args, draft, target, prompts_path, prompts, out, args.engines, "float32",
@@ -197,7 +197,7 @@ def main() -> None:
     from nestling.evaluate.prompts import load_prompts
     from nestling.pipeline import STAGES, load_run_config, run_config
     from nestling.pipeline.state import read_state
-    from nestling.target.load import load_tokenizer
+    from nestling.targets.load import load_tokenizer
 
     budget = BUDGETS[args.budget]
     out = args.out.absolute() / args.budget

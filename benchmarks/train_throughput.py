@@ -183,7 +183,7 @@ def build_target(shape: str, device: torch.device, dtype: torch.dtype):
 
     from nestling.capture.hf import HFBackend
     from nestling.capture.settings import CaptureSettings
-    from nestling.target.layers import default_capture_layers
+    from nestling.targets.layers import default_capture_layers
     from nestling.train.features import TargetStates
 
     sh = dict(SHAPES[shape])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from nestling.data.dataset import Sample, write_shard
 from nestling.manifest import write_manifest
-from nestling.target.load import tokenizer_fingerprint
+from nestling.targets.load import tokenizer_fingerprint
 
 WORDS = ("the cat sat on a warm mat while rain fell over quiet hills and seven birds sang about "
          "bread, rivers, numbers 42 and 1999, code like def f(x): return x*2, and questions?").split()

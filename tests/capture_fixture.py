@@ -61,8 +61,8 @@ def make_capture(out: Path, target: Path, layer_ids=(1, 3, 5, 6), n_train: int =
     from safetensors.torch import save_file
 
     from nestling.manifest import write_manifest
-    from nestling.target.load import load_config, load_model
-    from nestling.target.load import target_fingerprint as fingerprint
+    from nestling.targets.load import load_config, load_model
+    from nestling.targets.load import target_fingerprint as fingerprint
 
     out = Path(out)
     model = load_model(target, dtype="float32")

@@ -31,7 +31,7 @@ def sharegpt_path() -> Path:
 def tiny_target(smollm2_dir):
     """Factory: tiny_target('llama') -> folder of a random-weight target (built once per cache)."""
     from nestling.assets import cache_dir
-    from nestling.target.tiny import build_tiny_target
+    from nestling.targets.tiny import build_tiny_target
 
     def make(arch: str = "llama", seed: int = 0) -> Path:
         return build_tiny_target(arch, cache_dir() / "tiny" / f"{arch}-s{seed}", tokenizer_dir=smollm2_dir, seed=seed)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from nestling.draft.model import DraftConfig, Eagle3Draft, KVCache
 from nestling.draft.vocab import build_vocab, count_tokens, save_vocab, target_to_draft_index
 from nestling.manifest import write_manifest
-from nestling.target.load import load_model, load_tokenizer, target_fingerprint
+from nestling.targets.load import load_model, load_tokenizer, target_fingerprint
 
 PROMPTS = [
     "List the days of the week, one per line.",
@@ -45,7 +45,7 @@ def new_draft(target: Path, aux_ids: list[int] | None = None, draft_vocab_size: 
     """A randomly initialised draft of `layers` decoder layers for `target`, with a vocab from tokens."""
     from transformers import AutoConfig
 
-    from nestling.target.layers import default_aux_layers, num_layers
+    from nestling.targets.layers import default_aux_layers, num_layers
 
     hf = AutoConfig.from_pretrained(target)
     aux_ids = aux_ids or default_aux_layers(num_layers(hf))

@@ -16,7 +16,7 @@ from nestling.capture.hf import HFBackend
 from nestling.capture.run import capture
 from nestling.capture.settings import CaptureSettings
 from nestling.capture.store import CaptureDataset
-from nestling.target.load import load_model
+from nestling.targets.load import load_model
 
 ARCHS = ["llama", "qwen3", "qwen3_moe", "deepseek_v3", "gemma3"]
 

@@ -11,7 +11,7 @@ from eagle_helpers import make_train_dir, new_draft
 from nestling.errors import NestlingError
 from nestling.evaluate.specdec import SpecDecoder, load_draft, target_generate, verify_sampled
 from nestling.export import ExportSettings, export
-from nestling.target.load import load_model
+from nestling.targets.load import load_model
 
 AUX = [1, 3, 4]
 

@@ -45,7 +45,7 @@ def _reference(run, draft_dir):
 def test_vllm_loads_draft_and_greedy_outputs_are_unchanged(run):
     import torch
 
-    from nestling.target.load import load_model
+    from nestling.targets.load import load_model
 
     v = run["vllm"]
     assert v["num_drafts"] > 0  # the draft really ran

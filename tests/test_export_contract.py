@@ -86,7 +86,7 @@ def test_speculators_layout(train_dir, tiny_target, tmp_path):
 @pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
 def test_two_layer_folder_uses_vllm_layer_names(tiny_target, tmp_path, fmt):
     from nestling.evaluate.specdec import load_draft
-    from nestling.target.load import load_model
+    from nestling.targets.load import load_model
 
     draft = new_draft(tiny_target("llama"), AUX, draft_vocab_size=512, vocab_tokens=torch.arange(1000, 3000),
                       seed=3, layers=2)
@@ -186,7 +186,7 @@ def test_full_vocab_in_shuffled_order_is_reordered_not_changed(full_draft, tiny_
     """A full vocabulary whose draft ids are not in target order: the head rows move to target order,
     so the engines (which read row i as token i) and nestling's decoder compute the same logits."""
     from nestling.evaluate.specdec import load_draft
-    from nestling.target.load import load_model
+    from nestling.targets.load import load_model
 
     shuffled, perm = _permuted(full_draft)
     out = export(make_train_dir(shuffled, tmp_path / "t"), tmp_path / "d", ExportSettings(dtype="float32"))

@@ -74,7 +74,7 @@ def test_two_layer_draft_loads_and_accepts_as_the_reference_decoder(probe):
 
     from nestling.evaluate.specdec import SpecDecoder, SpecStats, load_draft
     from nestling.evaluate.vllm_engine import summarize_metrics
-    from nestling.target.load import load_model
+    from nestling.targets.load import load_model
 
     cfg = json.loads((probe["deep"] / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 2 and "layers.1.mlp.down_proj.weight" in load_file(str(probe["deep"] / "model.safetensors"))

@@ -11,7 +11,7 @@ from nestling.config import from_dict, load_settings, parse_overrides
 from nestling.errors import NestlingError
 from nestling.manifest import atomic_write_json, read_manifest, write_manifest
 from nestling.progress import Progress
-from nestling.target.layers import default_aux_layers, default_capture_layers, validate_layer_ids
+from nestling.targets.layers import default_aux_layers, default_capture_layers, validate_layer_ids
 
 
 @dataclass

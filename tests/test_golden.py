@@ -154,7 +154,7 @@ def _decode(train_dir: Path, data: Path, target: Path, tmp: Path) -> dict:
     counts of a small draft do not."""
     from nestling.evaluate.specdec import SpecDecoder, load_draft
     from nestling.export import ExportSettings, export
-    from nestling.target.load import load_model
+    from nestling.targets.load import load_model
 
     model = load_model(target, dtype="float32")
     with threads(1):

@@ -145,7 +145,7 @@ def test_pickled_weights_are_refused_before_anything_loads_them(tiny, tmp_path, 
     msg = fails_cleanly(capsys, "capture", data, "--target", t, "--out", tmp_path / "c")
     assert "pytorch_model.bin" in msg and "pickle" in msg and "safetensors" in msg
     from nestling.errors import NestlingError
-    from nestling.target.load import load_model
+    from nestling.targets.load import load_model
 
     with pytest.raises(NestlingError, match="pickle"):
         load_model(t, dtype="float32")

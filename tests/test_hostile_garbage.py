@@ -215,7 +215,7 @@ def fewer_merges(tiny, tmp_path) -> Path:
 
 
 def test_fingerprint_sees_removed_merges(tiny, fewer_merges):
-    from nestling.target.load import load_tokenizer, tokenizer_files_fingerprint, tokenizer_fingerprint
+    from nestling.targets.load import load_tokenizer, tokenizer_files_fingerprint, tokenizer_fingerprint
 
     a, b = load_tokenizer(tiny), load_tokenizer(fewer_merges)
     assert a.get_vocab() == b.get_vocab()  # what the old fingerprint looked at

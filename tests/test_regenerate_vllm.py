@@ -75,7 +75,7 @@ def test_vllm_greedy_equals_transformers_greedy(uninterrupted, smollm2_dir):
     import torch
     from transformers import AutoTokenizer
 
-    from nestling.target.load import load_model
+    from nestling.targets.load import load_model
 
     manifest = json.loads((uninterrupted / "manifest.json").read_text())
     assert manifest["counts"]["kept"] == N_CONV and manifest["settings"]["engine"] == "vllm"

@@ -130,7 +130,7 @@ def test_wider_draft_mlp_trains_exports_and_decodes(capture, tiny_target, tmp_pa
     out = export(tmp_path / "w", tmp_path / "d")
     assert json.loads((out / "config.json").read_text())["intermediate_size"] == 320
     assert load_file(str(out / "model.safetensors"))["midlayer.mlp.up_proj.weight"].shape[0] == 320
-    from nestling.target.load import load_model
+    from nestling.targets.load import load_model
 
     draft = load_draft(out, load_model(tiny_target("llama"), dtype="float32"))
     assert draft.config.intermediate_size == 320
@@ -142,7 +142,7 @@ def test_two_layer_draft_trains_exports_and_decodes(capture, tiny_target, tmp_pa
     `layers.N.*` names and `num_hidden_layers`, and the reference decoder loads and runs it."""
     from nestling.evaluate.specdec import SpecDecoder, load_draft, target_generate
     from nestling.export import export
-    from nestling.target.load import load_model
+    from nestling.targets.load import load_model
 
     m = train(capture, tmp_path / "w", TrainSettings(steps=2, draft_layers=2, eval_batches=1, **TINY))
     assert m["settings"]["draft_layers"] == 2

@@ -29,7 +29,7 @@ def make_data(out: Path, target: Path, n_train: int = 12, n_heldout: int = 4, pr
     the teacher's tokens fall inside a small draft vocabulary and the losses are not trivially 0."""
     from nestling.data.dataset import Sample, write_shard
     from nestling.manifest import write_manifest
-    from nestling.target.load import load_model, load_tokenizer, tokenizer_fingerprint
+    from nestling.targets.load import load_model, load_tokenizer, tokenizer_fingerprint
 
     model = load_model(target, dtype="float32")
     out.mkdir(parents=True, exist_ok=True)

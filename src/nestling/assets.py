@@ -165,7 +165,7 @@ def vocab_gguf(name: str) -> Path:
 
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as a bf16 safetensors folder (converted once from the GGUF; loads in ~1 s)."""
-    from nestling.target.load import convert_gguf
+    from nestling.targets.load import convert_gguf
 
     out = cache_dir() / "models" / "SmolLM2-135M-Instruct"
     if (out / "config.json").exists():

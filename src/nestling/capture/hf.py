@@ -34,7 +34,7 @@ def base_model(model: torch.nn.Module) -> torch.nn.Module:
 class HFBackend(Backend):
     def __init__(self, target: Path, layer_ids: list[int], settings: CaptureSettings, model=None):
         from nestling.capture.settings import compute_dtype, resolve
-        from nestling.target.load import load_model
+        from nestling.targets.load import load_model
 
         settings = resolve(settings)
         self.layer_ids = list(layer_ids)

@@ -24,8 +24,8 @@ from nestling import outdir
 from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, hash_json, read_manifest, write_manifest
 from nestling.progress import Progress, format_bytes, log
-from nestling.target.layers import default_capture_layers, num_layers, validate_layer_ids
-from nestling.target.load import (TOKENIZER_FINGERPRINT_VERSION, load_config, load_tokenizer, require_safetensors,
+from nestling.targets.layers import default_capture_layers, num_layers, validate_layer_ids
+from nestling.targets.load import (TOKENIZER_FINGERPRINT_VERSION, load_config, load_tokenizer, require_safetensors,
                                   resolve_target, target_fingerprint, tokenizer_fingerprint)
 
 # Settings that change the bytes of the store (device does not: it changes speed, not meaning).

@@ -94,7 +94,7 @@ def vllm_layer_ids(layer_ids: list[int], n_layers: int) -> list[int]:
 
 def final_norm(target: Path, config: dict) -> dict:
     """The target's final norm as the connector applies it (weight as a list: it travels in JSON)."""
-    from nestling.target.load import read_tensors
+    from nestling.targets.load import read_tensors
 
     text = config.get("text_config") or config
     kind = text.get("model_type", config.get("model_type", ""))

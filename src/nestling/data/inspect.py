@@ -36,7 +36,7 @@ def inspect_sample(data_dir: Path, index: int = 0, split: str = "train", color: 
     """The rendered text of sample `index` of `split`, supervised tokens highlighted."""
     from nestling.data.dataset import load_samples
     from nestling.manifest import read_manifest
-    from nestling.target.load import load_tokenizer
+    from nestling.targets.load import load_tokenizer
 
     manifest = read_manifest(data_dir, "data")
     samples = load_samples(data_dir, split)

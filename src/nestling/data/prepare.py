@@ -27,7 +27,7 @@ from nestling import outdir
 from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, hash_bytes, hash_file, hash_json, write_manifest
 from nestling.progress import Progress, format_duration, log
-from nestling.target.load import TOKENIZER_FINGERPRINT_VERSION
+from nestling.targets.load import TOKENIZER_FINGERPRINT_VERSION
 
 CHUNK = 64  # conversations per worker task: large enough for batched tokenization, small for balance
 EXAMPLES_PER_REASON = 3
@@ -295,7 +295,7 @@ def prepare_data(inputs: list[str | Path] | str | Path, target: str | Path, out:
                  settings: DataSettings | None = None) -> dict:
     """Tokenize chat data for `target` into `out`; returns the manifest (see docs/data.md)."""
     from nestling.data.chat import read_template
-    from nestling.target.load import resolve_target
+    from nestling.targets.load import resolve_target
 
     settings = settings or DataSettings()
     inputs = [Path(p) for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
@@ -349,7 +349,7 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
     if verified is not None:
         fmt, tok_fp = early.guess, verified  # type: ignore[union-attr]
     else:
-        from nestling.target.load import load_tokenizer, tokenizer_fingerprint
+        from nestling.targets.load import load_tokenizer, tokenizer_fingerprint
 
         tokenizer = load_tokenizer(target_dir)
         fmt = chat_format(tokenizer, template)

@@ -60,7 +60,7 @@ def run_reference(target: Path, draft_dir: Path, prompts: list[list[int]], s: Ev
     import torch
 
     from nestling.evaluate.specdec import SpecDecoder, SpecStats, load_draft, target_generate
-    from nestling.target.load import load_model, load_tokenizer
+    from nestling.targets.load import load_model, load_tokenizer
 
     model = load_model(target, dtype=s.dtype, device=s.device)
     dtype = getattr(torch, s.dtype)
@@ -122,7 +122,7 @@ def evaluate(draft_dir: str | Path, target: str | Path, prompts: str | Path, out
              settings: EvalSettings | None = None) -> dict:
     """Evaluate `draft_dir` on `target` over `prompts`; writes report.json/.md, acceptance.png, manifest."""
     from nestling.export.eagle3 import check_draft_matches_target
-    from nestling.target.load import resolve_target
+    from nestling.targets.load import resolve_target
 
     s = settings or EvalSettings()
     draft_dir, out = Path(draft_dir), Path(out)
@@ -136,7 +136,7 @@ def evaluate(draft_dir: str | Path, target: str | Path, prompts: str | Path, out
 def _evaluate(draft_dir: Path, target_dir: Path, prompts: str | Path, out: Path, s: EvalSettings) -> dict:
     from nestling.evaluate.prompts import load_prompts
     from nestling.evaluate.report import write_report
-    from nestling.target.load import load_tokenizer, target_fingerprint
+    from nestling.targets.load import load_tokenizer, target_fingerprint
 
     tok = load_tokenizer(target_dir)
     ids = load_prompts(prompts, tok, s.max_prompts)

@@ -37,7 +37,7 @@ class ExportSettings:
 
 def check_target(train_dir: Path, manifest: dict, cfg: DraftConfig, override: str | None) -> Path:
     """The target named by the training folder, verified by fingerprint."""
-    from nestling.target.load import resolve_target, target_fingerprint
+    from nestling.targets.load import resolve_target, target_fingerprint
 
     name = override or manifest.get("target") or cfg.target
     if not name:
@@ -158,7 +158,7 @@ def verify(folder: Path, cfg: DraftConfig, dtype: torch.dtype) -> None:
 
 def check_draft_matches_target(draft_dir: Path, target: str | Path) -> None:
     """Refuse a draft folder exported for another target, or whose weights hold NaN/inf (used by eval)."""
-    from nestling.target.load import target_fingerprint
+    from nestling.targets.load import target_fingerprint
 
     raw, cfg, tensors = contract.read_draft_folder(draft_dir)
     contract.check_finite(tensors, f"the draft in {draft_dir}")

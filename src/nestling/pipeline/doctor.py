@@ -124,7 +124,7 @@ def doctor_dry_run(scratch: Path | None = None) -> dict:
     from nestling.assets import cache_dir, smollm2_dir
     from nestling.pipeline import STAGES, load_run_config
     from nestling.pipeline.dryrun import dry_run
-    from nestling.target.tiny import build_tiny_target
+    from nestling.targets.tiny import build_tiny_target
 
     target = build_tiny_target("llama", cache_dir() / "tiny" / "doctor-llama", tokenizer_dir=smollm2_dir())
     scratch = Path(scratch) if scratch else cache_dir() / "doctor"

@@ -71,8 +71,8 @@ def preflight(config: RunConfig, target: str) -> None:
     cap = config.settings.get("capture")
     layers = getattr(cap, "layers", None) if cap is not None else None
     if layers:
-        from nestling.target.layers import num_layers, validate_layer_ids
-        from nestling.target.load import load_config
+        from nestling.targets.layers import num_layers, validate_layer_ids
+        from nestling.targets.load import load_config
 
         validate_layer_ids(list(layers), num_layers(load_config(target)))
 

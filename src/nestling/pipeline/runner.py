@@ -57,7 +57,7 @@ def check_stage_names(names: Sequence[str], stages: Sequence[Stage], flag: str) 
 
 def resolve_paths(config: RunConfig) -> tuple[str, list[str], str | None]:
     """Local paths of the target, inputs and prompts (built-in assets fetched), checked to exist."""
-    from nestling.target.load import resolve_target
+    from nestling.targets.load import resolve_target
 
     target = str(resolve_target(resolve_builtin(config.target)))
     inputs = [resolve_builtin(p) for p in config.inputs]
@@ -71,7 +71,7 @@ def resolve_paths(config: RunConfig) -> tuple[str, list[str], str | None]:
 
 
 def run_fingerprints(target: str, inputs: list[str], prompts: str | None) -> dict[str, str]:
-    from nestling.target.load import target_fingerprint, tokenizer_files_fingerprint
+    from nestling.targets.load import target_fingerprint, tokenizer_files_fingerprint
 
     files = [Path(p) for p in inputs]
     listed = [f for p in files for f in (sorted(x for x in p.rglob("*") if x.is_file()) if p.is_dir() else [p])]

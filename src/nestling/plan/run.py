@@ -20,7 +20,7 @@ from nestling.errors import NestlingError
 from nestling.plan import model as M
 from nestling.plan.rates import capture_rate, default_results_dir, train_rate
 from nestling.plan.settings import PlanSettings
-from nestling.target.layers import default_capture_layers, validate_layer_ids
+from nestling.targets.layers import default_capture_layers, validate_layer_ids
 
 GIB = 2**30
 STORE_DTYPES = {"bfloat16": torch.bfloat16, "float8": torch.float8_e4m3fn}

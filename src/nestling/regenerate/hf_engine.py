@@ -101,7 +101,7 @@ class HFEngine:
         from transformers import AutoTokenizer
 
         from nestling.regenerate.static_model import unsupported_reason
-        from nestling.target.load import load_model
+        from nestling.targets.load import load_model
 
         self.s = s
         dtype = "float32" if s.dtype == "auto" and s.device == "cpu" else ("bfloat16" if s.dtype == "auto" else s.dtype)

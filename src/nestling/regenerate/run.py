@@ -159,7 +159,7 @@ def summarize(counts: Counter, n: int = 1) -> dict:
 def regenerate(input: str | Path, target: str | Path, out: str | Path,
                settings: RegenerateSettings | None = None) -> dict:
     """Regenerate every assistant turn of `input` with `target`; write `out/`; return the manifest."""
-    from nestling.target.load import resolve_target
+    from nestling.targets.load import resolve_target
 
     s = settings or RegenerateSettings()
     input, out = Path(input), Path(out)
@@ -176,7 +176,7 @@ def regenerate(input: str | Path, target: str | Path, out: str | Path,
 
 
 def _regenerate(input: Path, target_dir: Path, out: Path, s: RegenerateSettings) -> dict:
-    from nestling.target.load import load_config, load_tokenizer, target_fingerprint, tokenizer_fingerprint
+    from nestling.targets.load import load_config, load_tokenizer, target_fingerprint, tokenizer_fingerprint
 
     tokenizer = load_tokenizer(target_dir)
     if not getattr(tokenizer, "chat_template", None):

@@ -136,8 +136,8 @@ def online_inputs(data_dir: Path, s: "TrainSettings") -> "Inputs":
     """Check a data-stage folder and the target before anything loads; the Inputs of an online run."""
     from nestling.capture.run import check_data_tokenizer
     from nestling.data.dataset import SPLITS, split_files
-    from nestling.target.layers import default_aux_layers, num_layers, validate_layer_ids
-    from nestling.target.load import load_config, load_tokenizer, resolve_target, target_fingerprint, tokenizer_fingerprint
+    from nestling.targets.layers import default_aux_layers, num_layers, validate_layer_ids
+    from nestling.targets.load import load_config, load_tokenizer, resolve_target, target_fingerprint, tokenizer_fingerprint
     from nestling.train.loop import Inputs
 
     data_dir = Path(data_dir)
@@ -171,7 +171,7 @@ def heldout_split(data_dir: Path, target: Path, vocab_size: int, max_pos: int | 
     held-out prompts: acceptance follows accuracy on the text the draft will meet when serving."""
     from nestling.capture.run import check_data_tokenizer
     from nestling.data.dataset import SPLITS, split_files
-    from nestling.target.load import load_tokenizer, tokenizer_fingerprint
+    from nestling.targets.load import load_tokenizer, tokenizer_fingerprint
 
     m = read_manifest(data_dir, "data")
     if (m.get("inputs") or {}).get("tokenizer"):
@@ -270,7 +270,7 @@ def target_states(inp: "Inputs", s: "TrainSettings", device: torch.device) -> Ta
 
 def target_weight_bytes(target: Path, dtype: str) -> int:
     """The target's weights in `dtype` (safetensors sizes, rescaled when stored wider or narrower)."""
-    from nestling.target.load import load_config
+    from nestling.targets.load import load_config
 
     cfg = load_config(target)
     stored = str(getattr(cfg, "torch_dtype", None) or getattr(cfg, "dtype", None) or "bfloat16").replace("torch.", "")
@@ -293,8 +293,8 @@ def draft_memory(trainable: int, hidden: int, vocab: int, inter: int, n_aux: int
 def draft_bytes_estimate(target: Path, s: "TrainSettings") -> int:
     """`draft_memory` summed for the draft `s` would train on `target`."""
     from nestling.draft.model import DraftConfig
-    from nestling.target.layers import default_aux_layers, num_layers
-    from nestling.target.load import load_config
+    from nestling.targets.layers import default_aux_layers, num_layers
+    from nestling.targets.load import load_config
 
     config = load_config(target)
     text = getattr(config, "text_config", None) or config

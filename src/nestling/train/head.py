@@ -11,7 +11,7 @@ import torch
 
 from nestling.draft.vocab import draft_ids_to_target
 from nestling.errors import NestlingError
-from nestling.target.load import head_tensor_names, read_tensors
+from nestling.targets.load import head_tensor_names, read_tensors
 
 
 @dataclass

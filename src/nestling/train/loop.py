@@ -24,7 +24,7 @@ from nestling.draft.vocab import (build_vocab, count_tokens, draft_ids_to_target
 from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, hash_bytes, hash_json, read_manifest, write_manifest
 from nestling.progress import Progress, log
-from nestling.target.load import load_config, resolve_target, target_fingerprint
+from nestling.targets.load import load_config, resolve_target, target_fingerprint
 from nestling.train import checkpoint as ckpt
 from nestling.train import dist, features
 from nestling.train.data import Prefetcher, Stream, collate, read_index
