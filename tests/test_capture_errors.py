@@ -7,7 +7,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from capture_data import make_data_dir

@@ -82,7 +82,7 @@ def setup(tmp_path, monkeypatch):
     inp = tmp_path / "in.txt"
     inp.write_text("hello")
     cfg = tmp_path / "run.yaml"
-    cfg.write_text(f"target: target\ninputs: [in.txt]\nrun_dir: runs/r1\nrepeat:\n  n: 2\n")
+    cfg.write_text("target: target\ninputs: [in.txt]\nrun_dir: runs/r1\nrepeat:\n  n: 2\n")
     return tmp_path, cfg
 
 

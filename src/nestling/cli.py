@@ -36,7 +36,7 @@ class IntermixedParser(argparse.ArgumentParser):
 
     _inner = False
 
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_known_args(self, args=None, namespace=None):
         if self._inner:
             return super().parse_known_args(args, namespace)
         self._inner = True
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     # Logs are watched with `tail`: flush every line.
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+            stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
         except AttributeError:
             pass
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -38,11 +38,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 errors.append(str(e))
         raise NestlingError(errors[0] if errors else f"{where}: bad value {value!r}")
     if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
+        if isinstance(value, tp):  # type: ignore[arg-type]
             return value
         if not isinstance(value, dict):
             raise NestlingError(f"{where}: expected a mapping, got {value!r}")
-        return from_dict(tp, value, where)
+        return from_dict(tp, value, where)  # type: ignore[arg-type]
     if origin in (list, tuple):
         if isinstance(value, str):
             value = [v for v in value.split(",") if v.strip()]

@@ -35,7 +35,7 @@ class Backend(ABC):
     @abstractmethod
     def capture(self, seqs: list[list[int]]) -> torch.Tensor: ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (optional hook, deliberately not abstract)
         """Free the model (default: nothing to do)."""
 
 

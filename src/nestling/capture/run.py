@@ -244,7 +244,7 @@ def write_shards(todo: dict[str, list[ShardPlan]], backend, out: Path, settings:
             for plan in plans:
                 if getattr(backend, "writes_shards", False) and not fp8:  # the engine fills the shard file (vllm)
                     backend.write_shard(out / split / shard_name(plan.index), plan, meta, settings.token_budget,
-                                        lambda b: prog.update(len(b), tokens=sum(len(s.input_ids) for s in b)))
+                                        lambda b, prog=prog: prog.update(len(b), tokens=sum(len(s.input_ids) for s in b)))
                     continue
                 writer.begin(out / split / shard_name(plan.index), plan, n_ids, H, dtype, meta)
                 for batch in batches(plan.samples, settings.token_budget):

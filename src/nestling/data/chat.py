@@ -26,10 +26,13 @@ import signal
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 from pathlib import Path
 
 from nestling.errors import NestlingError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 BPE_CACHE_WORDS = 1_000_000
 PIECE_CACHE_CHARS = 256  # pieces up to this long are remembered: role headers, "\n", a default system prompt
@@ -140,10 +143,10 @@ def render(fmt: ChatFormat, messages: list[dict], add_generation_prompt: bool = 
            with_spans: bool = False) -> tuple[str, list[tuple[int, int]]]:
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    texts, spans = render_jinja_template(
+    texts, spans = render_jinja_template(  # type: ignore[str-unpack]
         conversations=[messages], chat_template=fmt.template, add_generation_prompt=add_generation_prompt,
         return_assistant_tokens_mask=with_spans, **fmt.template_kwargs)
-    return texts[0], (spans[0] if with_spans and spans else [])
+    return texts[0], (spans[0] if with_spans and spans else [])  # type: ignore[return-value]
 
 
 @dataclass
@@ -191,7 +194,7 @@ def _plan_prefix_diff(fmt: ChatFormat, msgs: list[dict], last_turn_only: bool, p
         plan.result = Encoded(drop="template_prefix_mismatch",
                               detail="the rendered prompt of the last assistant turn is not a prefix of the whole conversation")
         return
-    plan.turns = turns[-1:]  # type: ignore[list-item]
+    plan.turns = turns[-1:]  # type: ignore[assignment]
     plan.fallback = True
 
 
@@ -307,8 +310,8 @@ def _encode_plans(fmt: ChatFormat, plans: list[_Plan], piecewise: bool) -> list[
         tagged = [(enc.char_to_token(a), enc.char_to_token(z - 1)) for a, z in p.gen_spans]
         # template-marked spans: every token that overlaps them
         spans = [(ka, kz) for ka, kz in tagged if ka is not None and kz is not None]
-        spans += [_token_span(fmt, enc, ids, turn, next(local).ids) for turn in p.turns]
-        _finish(p, ids, spans, np.zeros(len(ids), dtype=np.int8))
+        spans += [_token_span(fmt, enc, ids, turn, next(local).ids) for turn in p.turns]  # type: ignore[misc]
+        _finish(p, ids, spans, np.zeros(len(ids), dtype=np.int8))  # type: ignore[arg-type]
     return [p.result for p in plans]
 
 
@@ -330,7 +333,7 @@ def _finish(p: _Plan, ids: list[int], spans: list[tuple[int, int] | None], mask:
         p.result.altered.append("prefix_mismatch_last_turn_only")
     p.result.turns = spans  # type: ignore[assignment]
     p.result.input_ids = ids
-    p.result.loss_mask = mask  # type: ignore[assignment]
+    p.result.loss_mask = mask
 
 
 def _token_span(fmt: ChatFormat, enc, ids: list[int], turn: tuple[int, int, int],
@@ -362,7 +365,7 @@ def _segment_ids(fmt: ChatFormat) -> dict[str, int] | None:
     and do not swallow neighbouring whitespace (no lstrip/rstrip/single_word); otherwise None.
     """
     out: dict[str, int] = {}
-    for i, t in fmt.tokenizer.added_tokens_decoder.items():
+    for i, t in fmt.tokenizer.added_tokens_decoder.items():  # type: ignore[attr-defined]
         if not t.special:
             continue
         if t.normalized or t.lstrip or t.rstrip or t.single_word:
@@ -414,7 +417,7 @@ def _encode_by_segments(fmt: ChatFormat, backend, special_id: dict[str, int], pl
         ids += next(it)
         end_tok = {z: start_tok[a] for a, z in p.specials}  # char end of a special token -> its token index
         spans = []
-        for (b, s, e) in p.turns:
+        for (_b, s, e) in p.turns:
             window = next(local)
             ks = start_tok[s] if s else 0
             kb = ks + len(window)

@@ -9,6 +9,8 @@ number of workers. Every record that is not kept as-is is counted by reason in t
 
 from __future__ import annotations
 
+from typing import Any
+
 import hashlib
 import multiprocessing as mp
 import os
@@ -302,9 +304,9 @@ def prepare_data(inputs: list[str | Path] | str | Path, target: str | Path, out:
     if not inputs:
         raise NestlingError("no input files given")
     for p in inputs:
-        if not p.exists():
+        if not p.exists():  # type: ignore[union-attr]
             raise NestlingError(f"input file {p} does not exist")
-        if p.is_dir():
+        if p.is_dir():  # type: ignore[union-attr]
             raise NestlingError(f"input {p} is a folder; give the data files themselves (e.g. {p}/*.jsonl)")
     out = Path(out)
     target_dir = resolve_target(target)
@@ -312,7 +314,7 @@ def prepare_data(inputs: list[str | Path] | str | Path, target: str | Path, out:
     inputs_named = [("input file", p) for p in inputs] + [("target", target_dir), ("target", target),
                                                           ("chat template", settings.chat_template)]
     with outdir.claim(out, "data", inputs_named):
-        return _prepare_claimed(inputs, target_dir, template, out, settings)
+        return _prepare_claimed(inputs, target_dir, template, out, settings)  # type: ignore[arg-type]
 
 
 def _prepare_claimed(inputs: list[Path], target_dir: Path, template: str | None, out: Path,
@@ -355,7 +357,7 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
         fmt = chat_format(tokenizer, template)
         tok_fp = tokenizer_fingerprint(tokenizer, fmt.template)
     input_fps = [hash_file(p) for p in inputs]
-    fingerprint = fingerprint_of(tok_fp, fmt.template, settings, input_fps)
+    fingerprint = fingerprint_of(tok_fp, fmt.template, settings, input_fps)  # type: ignore[union-attr]
 
     if (out / MANIFEST).exists():
         try:
@@ -373,7 +375,7 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
     results = None
     if early is not None:
         records, reports = early.records, early.reports
-        if verified is not None or guess_key == format_key(fmt):
+        if verified is not None or guess_key == format_key(fmt):  # type: ignore[arg-type]
             results = early.results
             if verified is None and record is not None:
                 _remember_match(record, guess_key, tok_fp, target_dir)  # type: ignore[arg-type]
@@ -385,7 +387,7 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
     else:
         records, reports = _read_inputs(inputs, settings)
     log(f"[data] read {len(records)} records from {len(inputs)} file(s); tokenizer and records ready after {time.monotonic() - t0:.1f}s; "
-        f"loss mask by {fmt.mask_method}" + ("; tokenizer read from the target's files (verified earlier, cached)"
+        f"loss mask by {fmt.mask_method}" + ("; tokenizer read from the target's files (verified earlier, cached)"  # type: ignore[union-attr]
                                             if verified is not None else ""))
     _clear(out)  # our own files only: `out` is a data folder (claimed in prepare_data)
 
@@ -399,7 +401,7 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
     rows_dropped: Counter = Counter()
     examples: dict[str, list[str]] = {}
     buffers: dict[str, list[Sample]] = {s: [] for s in SPLITS}
-    stats = {s: {"samples": 0, "tokens": 0, "supervised_tokens": 0, "files": []} for s in SPLITS}
+    stats: dict[str, dict[str, Any]] = {s: {"samples": 0, "tokens": 0, "supervised_tokens": 0, "files": []} for s in SPLITS}
     # With the head start's results, rates count from when its workers started.
     progress = Progress("data", total=len(records), unit="conv",
                         started=early.started if results is not None else time.monotonic())  # type: ignore[union-attr]
@@ -437,7 +439,7 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
         progress.update(len(outcomes), tokens=tokens, kept=stats["train"]["samples"] + stats["heldout"]["samples"])
 
     if results is not None:
-        for outcomes in results:
+        for outcomes in results:  # type: ignore[attr-defined]
             consume(outcomes)
     elif workers == 1:
         for span in spans:
@@ -462,14 +464,14 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
         out, "data", to_dict(settings),
         inputs={
             "tokenizer": tok_fp,
-            "chat_template": hash_bytes(fmt.template.encode()),
+            "chat_template": hash_bytes(fmt.template.encode()),  # type: ignore[union-attr]
             "data": [{"path": str(p.resolve()), "fingerprint": fp, "format": r.format, "records": r.records,
                       "stopped": r.stopped} for p, fp, r in zip(inputs, input_fps, reports)],
         },
         target=str(target_dir.resolve()),
         tokenizer_fingerprint_version=TOKENIZER_FINGERPRINT_VERSION,
         fingerprint=fingerprint,
-        mask_method=fmt.mask_method,
+        mask_method=fmt.mask_method,  # type: ignore[union-attr]
         counts={"read": len(records), "kept": kept_records, "dropped": dict(sorted(counts.items())),
                 "altered": dict(sorted(altered.items())), "rows": kept,
                 "rows_dropped": dict(sorted(rows_dropped.items()))},

@@ -104,7 +104,7 @@ def tee_stderr(log_path: Path, header: str) -> Iterator[None]:
     with open(log_path, "a", buffering=1) as log:
         log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {header}\n")
         old = sys.stderr
-        sys.stderr = _Tee(old, log)  # type: ignore[assignment]
+        sys.stderr = _Tee(old, log)
         try:
             yield
         except BaseException as e:

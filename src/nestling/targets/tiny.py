@@ -78,7 +78,7 @@ def _build(arch: str, out: Path, tokenizer_dir: Path | None, seed: int, num_laye
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random init with a larger scale so layers differ visibly
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.05)
     model.save_pretrained(out)

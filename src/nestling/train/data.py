@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from nestling.errors import NestlingError
 from nestling.train.ttt import PackedBatch
 
 from nestling.capture.store import INDEX, CaptureDataset

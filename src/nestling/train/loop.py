@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import time
 from dataclasses import asdict, dataclass

@@ -82,7 +82,9 @@ def ttt_loss(model, hiddens: list[torch.Tensor], t: Teacher, batch: PackedBatch,
         m = supervised(batch, j)
         n = m.shape[1]
         if n == 0:
-            sums.append(zero), correct.append(zero), count.append(zero)
+            sums.append(zero)
+            correct.append(zero)
+            count.append(zero)
             continue
         keep = m & t.in_vocab[:, 1 + j : 1 + j + n]
         logits = model.logits(h[:, :n]).float()

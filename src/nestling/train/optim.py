@@ -23,7 +23,8 @@ ADAMW_ONLY = ("embed_tokens", "lm_head")  # 2-D, but Muon is for hidden matrices
 
 def muon_split(named: list[tuple[str, nn.Parameter]]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(Muon params, AdamW params) of the trainable parameters, names as `named_parameters` gives them."""
-    muon, adamw = [], []
+    muon: list[nn.Parameter] = []
+    adamw: list[nn.Parameter] = []
     for name, p in named:
         if not p.requires_grad:
             continue

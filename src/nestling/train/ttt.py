@@ -43,8 +43,8 @@ class PackedBatch:
                            f(self.final), self.num_tokens)
 
     def to(self, device, dtype=None) -> "PackedBatch":
-        f = (lambda t: None if t is None else t.to(device, dtype=dtype if t.is_floating_point() else None,
-                                                   non_blocking=True))
+        def f(t):
+            return None if t is None else t.to(device, dtype=dtype if t.is_floating_point() else None, non_blocking=True)
         return PackedBatch(self.input_ids.to(device), self.loss_mask.to(device), self.doc.to(device),
                            self.pos.to(device), f(self.aux), f(self.final), self.num_tokens)
 
