@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up .venv and run the test suite. Extra arguments go to pytest.
+# Set up .venv, lint and type-check (scripts/lint.sh: ruff + mypy) and run the test suite. Extra arguments go to pytest.
 #   bash scripts/test.sh           the full suite (what CI runs)
 #   bash scripts/test.sh --fast    the fast lane: -m "not vllm and not slow" (no vLLM engine, no real
 #                                  SmolLM2 runs; a few minutes on 2 cores)
@@ -13,6 +13,7 @@ for a in "$@"; do
   if [ "$a" = "--fast" ]; then FAST=(-m "not vllm and not slow"); else ARGS+=("$a"); fi
 done
 bash scripts/setup.sh
+PYTHON=.venv/bin/python bash scripts/lint.sh
 export NESTLING_CACHE=${NESTLING_CACHE:-$HOME/.cache/nestling}
 WORKERS=${NESTLING_TEST_WORKERS:-2}
 PAR=()
