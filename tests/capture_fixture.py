@@ -132,3 +132,15 @@ def run_cli(args: list[str], env_extra: dict | None = None, torchrun: int = 0, p
     if popen:
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module", name="tiny")
+def tiny_llama(tiny_target) -> Path:
+    """A tiny random-weight Llama target, shared by a test file's tests."""
+    return tiny_target("llama")
+
+
+@pytest.fixture(scope="module", name="capture")
+def tiny_llama_capture(tiny) -> Path:
+    """The standard test capture of the tiny Llama (see cached_capture)."""
+    return cached_capture(tiny)

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from capture_fixture import cached_capture, one_thread  # noqa: F401 (autouse fixture)
+from capture_fixture import one_thread, tiny_llama, tiny_llama_capture  # noqa: F401 (fixtures)
 
 from nestling.cli import main
 
@@ -35,16 +35,6 @@ def fails_cleanly(capsys, *args) -> str:
     msg = err[err.index("error:"):]
     assert len(msg.strip().splitlines()) <= 2, msg
     return msg
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_target) -> Path:
-    return tiny_target("llama")
-
-
-@pytest.fixture(scope="module")
-def capture(tiny) -> Path:
-    return cached_capture(tiny)
 
 
 def chat_line(content: str = "Hello.") -> str:

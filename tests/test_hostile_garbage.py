@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from capture_fixture import cached_capture, one_thread  # noqa: F401 (autouse fixture)
+from capture_fixture import one_thread, tiny_llama, tiny_llama_capture  # noqa: F401 (fixtures)
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -31,16 +31,6 @@ def cli(capsys, *args) -> tuple[int, str]:
     err = capsys.readouterr().err
     assert "Traceback" not in err
     return rc, err
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_target) -> Path:
-    return tiny_target("llama")
-
-
-@pytest.fixture(scope="module")
-def capture(tiny) -> Path:
-    return cached_capture(tiny)
 
 
 # ---- train: the first non-finite loss stops the run ----------------------------------------------------
