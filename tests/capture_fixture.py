@@ -144,3 +144,16 @@ def tiny_llama(tiny_target) -> Path:
 def tiny_llama_capture(tiny) -> Path:
     """The standard test capture of the tiny Llama (see cached_capture)."""
     return cached_capture(tiny)
+
+
+class RunsAShellCommand:
+    """A pickled object that runs `touch MARKER` when unpickled: the hostile-input tests plant it in a
+    checkpoint or weights file and assert the marker never appears."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from capture_fixture import one_thread, tiny_llama, tiny_llama_capture  # noqa: F401 (fixtures)
+from capture_fixture import RunsAShellCommand, one_thread, tiny_llama, tiny_llama_capture  # noqa: F401 (fixtures)
 
 from nestling.cli import main
 
@@ -116,20 +116,12 @@ def test_unknown_model_type(tiny, capture, tmp_path, capsys):
     assert "cannot read the config" in msg and "nosuchmodel" in msg and str(t) in msg
 
 
-class _Payload:
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 def test_pickled_weights_are_refused_before_anything_loads_them(tiny, tmp_path, capsys):
     t = _target_copy(tiny, tmp_path / "t", keep=("config.json", "tokenizer.json", "tokenizer_config.json",
                                                  "chat_template.jinja"))
     marker = tmp_path / "pwned"
     with open(t / "pytorch_model.bin", "wb") as f:
-        pickle.dump({"model.embed_tokens.weight": _Payload(marker)}, f)
+        pickle.dump({"model.embed_tokens.weight": RunsAShellCommand(marker)}, f)
     data = tmp_path / "data"
     data.mkdir()
     msg = fails_cleanly(capsys, "capture", data, "--target", t, "--out", tmp_path / "c")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from capture_fixture import cached_capture, one_thread, run_cli, threads  # noqa: F401 (autouse fixture)
+from capture_fixture import RunsAShellCommand, cached_capture, one_thread, run_cli, threads  # noqa: F401 (autouse fixture)
 
 from nestling.cli import main
 
@@ -249,14 +249,6 @@ def test_rerun_of_data_into_its_own_folder_is_a_no_op(chat, target, data_dir, ca
 
 # ---- nothing from an input is executed ----------------------------------------------------------
 
-class _RunsAShellCommand:
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 def test_resume_refuses_an_optimizer_file_that_would_run_code(capture, tmp_path, capsys):
     out = tmp_path / "train"
     assert main(["train", str(capture), "--out", str(out), "--steps", "2", *TRAIN]) == 0
@@ -264,7 +256,7 @@ def test_resume_refuses_an_optimizer_file_that_would_run_code(capture, tmp_path,
     marker = tmp_path / "pwned"
     opt = out / "checkpoints" / "step-00000002" / "optimizer.pt"
     state = torch.load(opt, weights_only=True)
-    state["param_groups"][0]["payload"] = _RunsAShellCommand(marker)
+    state["param_groups"][0]["payload"] = RunsAShellCommand(marker)
     torch.save(state, opt)
     before = snapshot(out)
     refused(["train", str(capture), "--out", str(out), "--steps", "2", "--resume", *TRAIN], capsys,
