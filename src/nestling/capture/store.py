@@ -58,7 +58,10 @@ def quantize_fp8(h: torch.Tensor, chunk: int = 2048) -> tuple[torch.Tensor, torc
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of `quantize_fp8`, in the dtype the reader wants."""
     return (q.float() * scale[..., None].float()).to(dtype)
+
+
 INDEX = "index.json"
 CHECKSUMS = "checksums.jsonl"
 
