@@ -7,6 +7,7 @@
 #   call 4: bash benchmarks/h200_curve.sh rest NAME (returns what call 3 could not carry and NAME's equal draft)
 #   or, after `stage`: [CURVE_TOKENS=45e6] bash benchmarks/h200_curve.sh one RECIPE  (one run, all in one call)
 #   or, after `stage`: [BATCH_TOKENS=8192] bash benchmarks/h200_curve.sh equal RECIPE  (the equal-data peer run)
+#   or, after `stage`: bash benchmarks/h200_curve.sh equals "A=RECIPE B=RECIPE"  (equal-data recipes side by side)
 # Locally: cat the draft-*.tar.* parts, untar, and measure in vLLM with benchmarks/quality.py --draft.
 set -euo pipefail
 R=/root/repo W=/root/lc RET=/root/ret
@@ -62,6 +63,15 @@ equal)  # after `stage`, all in one call: the peer comparison (2,000 conversatio
   lc --out $RET --batch-tokens ${BATCH_TOKENS:-32768} --max-length 1024 --phase prepare --regen-conversations 0 \
     --phase equal --recipe "$2" --equal-conversations 2000 --equal-epochs 5 --eval-prompts 12 --eval-tokens 160 \
     --return equal 2>&1 | grep -v "it/s]" | tail -40
+  send ;;
+equals)  # after `stage`, all in one call: several equal-data recipes side by side on the GPU
+  # (RECIPES: NAME=key=value,... separated by spaces), the best one's draft back (by simulated K = 3)
+  T0=$(date +%s)
+  setup
+  RUNS=(); for r in $2; do RUNS+=(--run "${r%%=*}=equal:${r#*=}"); done
+  lc --out $RET --batch-tokens ${BATCH_TOKENS:-8192} --max-length 1024 --phase prepare --regen-conversations 0 \
+    --phase parallel --equal-conversations 2000 --equal-epochs 5 --eval-prompts 12 --eval-tokens 160 "${RUNS[@]}"
+  lc --out $RET --phase wait --wait-until $((T0 + ${WAIT_SECONDS:-540})) --return best-equal 2>&1 | grep -v "it/s]" | tail -40
   send ;;
 finish)
   lc --out $RET --phase wait --wait-until $(( $(cat /root/deadline) + 30 )) --return best

@@ -496,6 +496,11 @@ def wait_runs(b: Bench) -> None:
         w = b.w.parent / f"{b.w.name}-{best}"
         give_back(Bench.__new__(Bench), "curve", w, b.out)
         plot_curve(runs[best]["curve"], b.out / "curve.png")
+    eq = {n: r for n, r in runs.items() if "equal" in r}
+    if eq and a.ret == "best-equal":  # by simulated K = 3 on the held-out target text (less noisy than 12 decodes)
+        best = max(eq, key=lambda n: eq[n]["equal"]["sim_k3"])
+        b.res["best_run"] = best
+        give_back(Bench.__new__(Bench), "equal", b.w.parent / f"{b.w.name}-{best}", b.out)
     if a.ret in runs and "equal" in runs[a.ret]:
         give_back(Bench.__new__(Bench), "equal", b.w.parent / f"{b.w.name}-{a.ret}", b.out)
     b.save()
@@ -583,7 +588,7 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=160)
     ap.add_argument("--return", dest="ret", default=None,
                     help="curve|equal: tar that run's export into OUT right after its phase; with wait: best "
-                    "(the best curve run's draft) or a run's NAME (its equal draft)")
+                    "(the best curve run's draft), best-equal (the best equal run's) or a run's NAME (its equal draft)")
     args = ap.parse_args()
 
     b = Bench(args)
