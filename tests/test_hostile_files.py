@@ -256,7 +256,7 @@ def test_resume_refuses_an_optimizer_file_that_would_run_code(capture, tmp_path,
     marker = tmp_path / "pwned"
     opt = out / "checkpoints" / "step-00000002" / "optimizer.pt"
     state = torch.load(opt, weights_only=True)
-    state["param_groups"][0]["payload"] = RunsAShellCommand(marker)
+    (state["muon"] if "muon" in state else state)["param_groups"][0]["payload"] = RunsAShellCommand(marker)
     torch.save(state, opt)
     before = snapshot(out)
     refused(["train", str(capture), "--out", str(out), "--steps", "2", "--resume", *TRAIN], capsys,

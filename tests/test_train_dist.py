@@ -1,5 +1,5 @@
 """torchrun with two CPU processes (gloo) trains what one process does with the same global batch,
-with the default recipe and with the peer's options (Muon + AdamW, noise on the hidden states drawn
+with AdamW and with the peer's options (Muon + AdamW, noise on the hidden states drawn
 per global microbatch, a frozen lm_head)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def capture(tiny_target):
     return cached_capture(tiny_target("llama"))
 
 
-RECIPES = {"default": [], "peer": ["optimizer=muon", "hidden_noise=0.05", "freeze_lm_head=true", "ttt_decay=1.0"]}
+RECIPES = {"adamw": ["optimizer=adamw", "ttt_decay=0.8"], "peer": ["optimizer=muon", "hidden_noise=0.05", "freeze_lm_head=true", "ttt_decay=1.0"]}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def one_process(capture, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel, recipe", [("ddp", "default"), ("fsdp", "default"), ("ddp", "peer"), ("fsdp", "peer")])
+@pytest.mark.parametrize("parallel, recipe", [("ddp", "adamw"), ("fsdp", "adamw"), ("ddp", "peer"), ("fsdp", "peer")])
 def test_two_processes_equal_one_with_accumulation(capture, one_process, tmp_path, parallel, recipe):
     one, two = one_process(recipe), tmp_path / "two"
     r = run_cli(["train", str(capture), "--out", str(two), *ARGS, *RECIPES[recipe], "grad_accum=1",

@@ -26,7 +26,8 @@ def capture(tiny_target, tmp_path_factory) -> Path:
 def trained(capture, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run") / "train"
     with threads(1):
-        train(capture, out, TrainSettings(steps=24, checkpoint_every=8, keep_checkpoints=2, eval_every=8, log_every=4, **TINY))
+        train(capture, out, TrainSettings(steps=24, checkpoint_every=8, keep_checkpoints=2, eval_every=8, log_every=4,
+                                          ttt_decay=0.8, **TINY))  # decay != 1: the test sees the weights
     return out
 
 

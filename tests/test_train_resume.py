@@ -61,5 +61,10 @@ def test_kill_then_resume_equals_straight_run(capture, tmp_path):
     # the optimizer state came back too: the last checkpoints are identical
     sa = torch.load(straight / "checkpoints" / "step-00000012" / "optimizer.pt", weights_only=True)
     sb = torch.load(out / "checkpoints" / "step-00000012" / "optimizer.pt", weights_only=True)
-    for i in sa["state"]:
-        assert torch.equal(sa["state"][i]["exp_avg_sq"], sb["state"][i]["exp_avg_sq"])
+    parts = ("muon", "adamw") if "muon" in sa else (None,)  # Muon + AdamW (the default), or AdamW alone
+    for part in parts:
+        pa, pb = (sa[part], sb[part]) if part else (sa, sb)
+        assert pa["state"].keys() == pb["state"].keys()
+        for i in pa["state"]:
+            for name, v in pa["state"][i].items():
+                assert torch.equal(v, pb["state"][i][name]), (part, i, name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nestling.errors import NestlingError
+from nestling.train.settings import TrainSettings
 
 
 @dataclass
@@ -27,10 +28,10 @@ class PlanSettings:
     layers: list[int] | None = None
     seq_len: int = 2048
     token_budget: int = 16384
-    batch_tokens: int = 4096
-    ttt_steps: int = 7
-    draft_vocab_size: int = 32000
-    draft_layers: int = 1
+    batch_tokens: int = TrainSettings.batch_tokens  # the train settings' defaults, so a plan prices the default run
+    ttt_steps: int = TrainSettings.ttt_steps
+    draft_vocab_size: int = TrainSettings.draft_vocab_size
+    draft_layers: int = TrainSettings.draft_layers
     intermediate_size: int = 0
     epochs: float = 1.0
     results: str | None = None  # benchmark results folder (default: the checkout's benchmarks/results)

@@ -14,8 +14,9 @@ class TrainSettings:
     # what to train
     target: str | None = None  # target folder; default: the one recorded in the capture manifest
     aux_layer_ids: list[int] | None = None  # must equal the capture's when given
-    ttt_steps: int = 7  # K: draft steps trained per anchor (the engine's num_speculative_tokens)
-    ttt_decay: float = 0.8  # step j is weighted decay**j (1.0 = equal weights, as speculators)
+    # the defaults are the measured best (docs/train.md, "Recipe options"): K = 3, equal step weights, Muon
+    ttt_steps: int = 3  # K: draft steps trained per anchor (the engine's num_speculative_tokens)
+    ttt_decay: float = 1.0  # step j is weighted decay**j (1.0 = equal weights, as speculators)
     draft_vocab_size: int = 32000  # capped at the target vocabulary
     vocab: str | None = None  # reuse an existing vocab.safetensors instead of counting the data
     lm_head_init: Literal["target", "random"] = "target"
@@ -39,7 +40,7 @@ class TrainSettings:
 
     # optimizer
     lr: float | None = None  # None: default_lr(hidden size, steps), logged with the reason
-    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon for the 2-D hidden matrices, AdamW for the rest
+    optimizer: Literal["adamw", "muon"] = "muon"  # muon: Muon for the 2-D hidden matrices, AdamW for the rest
     muon_lr: float | None = None  # Muon group's lr; None = lr (speculators 0.9.0)
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.1
