@@ -1,0 +1,138 @@
+"""compressed-tensors targets (W4A16 pack-quantized, as Kimi-K2.5 ships) load wherever nestling runs the
+target: capture (hf backend), online training features, the hf regeneration engine and the reference
+evaluator, all through `targets.load.load_model`, which dequantizes them to dense weights at load.
+
+The quantized checkpoints are made by the compressed-tensors library itself (tests/quant_fixture.py) from
+a tiny random Llama and a tiny random DeepSeek-V3 (MLA + MoE, experts quantized one by one). Besides the
+quantized folder, the fixture decompresses it with compressed-tensors into a plain dense float32 folder:
+the weights the quantized target must compute with, loaded with no quantizer at all.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from capture_fixture import one_thread  # noqa: F401 (autouse: one thread for tiny shapes)
+from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
+
+from capture_data import make_data_dir
+from nestling.capture.run import capture
+from nestling.capture.settings import CaptureSettings
+from nestling.capture.store import CaptureDataset
+from nestling.targets.load import head_tensor_names, load_model, quantized_load_kwargs
+from quant_fixture import GROUP, quantized_target
+from test_capture_parity import close, reference
+
+ARCHS = ["llama", "deepseek_v3"]
+# (b): relative error ||h_quant - h_dense|| / ||h_dense|| over all tokens, per captured layer id. Measured
+# at most 0.44 (Llama) and 0.61 (DeepSeek-V3, whose top-2-of-4 routing flips for some tokens), largest at
+# id L (after the final norm). It is large because the tiny targets are random N(0, 0.05) matrices with no
+# outliers: int4 in groups of 32 moves every weight by up to scale / 2 (~9% of the weights' RMS, checked
+# below) and 6 random layers compound that; real checkpoints lose far less. The same measure between the
+# dense target and an unrelated one of the same shape (another seed) is asserted > 1.2 (measured ~1.4), so
+# the bound still tells "the same model, quantized" from garbage (a wrong nibble order, scale layout or
+# expert order).
+REL_BOUND = {"llama": 0.55, "deepseek_v3": 0.8}
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_target):
+    """arch -> (dense original, W4A16 checkpoint, that checkpoint decompressed to a dense folder)."""
+    return {a: (tiny_target(a), quantized_target(tiny_target(a)), quantized_target(tiny_target(a), "dequantized"))
+            for a in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def data_dir(smollm2_dir, tmp_path_factory):
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    return make_data_dir(tmp_path_factory.mktemp("data"), tok, smollm2_dir, n_train=4, n_heldout=2, seed=3, max_words=14)
+
+
+def transformers_model(folder, quantized: bool):
+    """The plain transformers load, not nestling's: dequantized at load (the packed model cannot run its
+    decoder stack alone: it decompresses in a pre-hook of the CausalLM module's forward only)."""
+    kw = {"quantization_config": CompressedTensorsConfig(dequantize=True)} if quantized else {}
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw).eval()
+
+
+def test_checkpoints_are_really_packed(targets):
+    from safetensors import safe_open
+
+    for arch in ARCHS:
+        _, w4, _ = targets[arch]
+        with safe_open(next(w4.glob("*.safetensors")), "pt") as f:
+            keys = set(f.keys())
+            packed = [k for k in keys if k.endswith("weight_packed")]
+            assert f.get_tensor(packed[0]).dtype == torch.int32
+        assert "lm_head.weight" in keys and not any(k.startswith("lm_head.weight_") for k in keys)
+        assert all(k[: -len("packed")] + "scale" in keys and k[: -len("packed")] + "shape" in keys for k in packed)
+        if arch == "deepseek_v3":  # MLA projections and every routed expert, one by one
+            assert {"model.layers.1.self_attn.kv_b_proj.weight_packed",
+                    "model.layers.1.mlp.experts.3.down_proj.weight_packed"} <= keys
+            assert "model.layers.1.mlp.gate.weight" in keys  # the router stays dense
+        assert quantized_load_kwargs(w4) and not quantized_load_kwargs(targets[arch][0])
+        assert head_tensor_names(w4) == head_tensor_names(targets[arch][0])  # trainer reads the dense head
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_loaded_weights_are_the_checkpoint_dequantized(arch, targets):
+    """Every quantized matrix loads as compressed-tensors' own decompression of it (exactly) and within
+    int4 rounding (scale / 2 of its group, scale = group amax / 7.5) of the original; the rest is untouched."""
+    dense, w4, deq = targets[arch]
+    got = dict(load_model(w4, dtype="float32").named_parameters())
+    orig = dict(transformers_model(dense, False).named_parameters())
+    ref = dict(transformers_model(deq, False).named_parameters())
+    assert set(orig) <= set(got)  # plus the kept weight_scale / weight_shape
+    n_quant, rel = 0, []
+    for name, w in orig.items():
+        assert got[name].dtype == torch.float32
+        assert torch.equal(got[name], ref[name]), name
+        if "proj" not in name:  # embeddings, norms, lm_head, the router
+            assert torch.equal(got[name], w), name
+            continue
+        n_quant += 1
+        g = w.unflatten(-1, (-1, GROUP))
+        # the group max clamps from 7.5 to 7 steps: exactly scale / 2 off, plus fp32 rounding of amax (1e-5)
+        half_step = (g.abs().amax(-1, keepdim=True) / 7.5 / 2 * (1 + 1e-5)).expand_as(g).flatten(-2)
+        assert ((got[name] - w).abs() <= half_step).all(), name
+        rel.append(((got[name] - w).norm() / w.norm()).item())
+    assert n_quant >= (7 if arch == "llama" else 8) * 6 - 3 * (arch == "deepseek_v3")
+    assert 0.05 < min(rel) and max(rel) < 0.12, rel  # really quantized, by ~9% of the weights' RMS
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_capture_of_quantized_target(arch, targets, data_dir, tmp_path, tiny_target):
+    """(a) the capture store (hf backend, padded batches) equals transformers' own `output_hidden_states`
+    of the quantized checkpoint, one sample at a time, within 1e-5 x the token's RMS (fp32; the same
+    bound as tests/test_capture_parity.py: batching changes GEMM shapes, nothing else), and equals the
+    dense decompressed folder the same way; (b) it stays within REL_BOUND of the unquantized model."""
+    dense, w4, deq = targets[arch]
+    capture(data_dir, w4, tmp_path / "cap", CaptureSettings(dtype="float32", device="cpu", token_budget=60,
+                                                            progress_interval=60))
+    models = {k: transformers_model(f, k == "w4") for k, f in (("w4", w4), ("deq", deq), ("dense", dense),
+                                                               ("other", tiny_target(arch, seed=1)))}
+    man = json.loads((tmp_path / "cap" / "manifest.json").read_text())
+    ids, H = man["layer_ids"], man["hidden_size"]
+    diff, num, den, num_other = 0.0, torch.zeros(len(ids)), torch.zeros(len(ids)), torch.zeros(len(ids))
+    for split in ("train", "heldout"):
+        ds = CaptureDataset(tmp_path / "cap", split)
+        for i in range(len(ds)):
+            item = ds[i]
+            T = len(item["input_ids"])
+            got = torch.cat([item["aux"].view(T, -1, H), item["final"][:, None]], 1)
+            ref, _ = reference(models["w4"], item["input_ids"], ids)
+            close(got, ref, "float32")
+            close(got, reference(models["deq"], item["input_ids"], ids)[0], "float32")
+            diff = max(diff, (got - ref).abs().max().item())
+            unq, _ = reference(models["dense"], item["input_ids"], ids)
+            num += (got - unq).pow(2).sum((0, 2))
+            den += unq.pow(2).sum((0, 2))
+            num_other += (reference(models["other"], item["input_ids"], ids)[0] - unq).pow(2).sum((0, 2))
+    rel, other = (num / den).sqrt(), (num_other / den).sqrt()
+    print(f"{arch}: capture vs transformers max abs diff {diff:.3g}; relative error vs unquantized per id "
+          f"{dict(zip(ids, [round(x, 3) for x in rel.tolist()]))}, another seed's {[round(x, 3) for x in other.tolist()]}")
+    assert (other > 1.2).all(), other
+    assert (rel[1:] > 0.05).all()  # the quantization really changed the states (id 0 is the dense embedding)
+    assert (rel < REL_BOUND[arch]).all(), rel
