@@ -136,3 +136,94 @@ def test_capture_of_quantized_target(arch, targets, data_dir, tmp_path, tiny_tar
     assert (other > 1.2).all(), other
     assert (rel[1:] > 0.05).all()  # the quantization really changed the states (id 0 is the dense embedding)
     assert (rel < REL_BOUND[arch]).all(), rel
+
+
+# ---- (c) every other stage that runs the target gets it through the same loader ----------------------
+
+@pytest.fixture(scope="module")
+def llama(targets):
+    _, w4, deq = targets["llama"]
+    return w4, deq, transformers_model(deq, False)
+
+
+def test_online_features_run_the_quantized_target(llama, tmp_path):
+    """train --online: the states the loop hands the draft are the dequantized target's."""
+    from nestling.train import features
+    from nestling.train.settings import TrainSettings
+
+    w4, _, deq_model = llama
+    data = make_data_dir(tmp_path / "data", AutoTokenizer.from_pretrained(w4), w4, n_train=2, n_heldout=1, seed=4,
+                         max_words=10)
+    s = TrainSettings(online=True, target=str(w4), batch_tokens=64)
+    inp = features.online_inputs(data, s)
+    states = features.target_states(inp, s, torch.device("cpu"))
+    seqs = [[5, 900, 31, 7, 1200], [44, 45]]
+    got = states.backend.capture(seqs)
+    states.close()
+    ref = torch.cat([reference(deq_model, torch.tensor(q), inp.online.layer_ids)[0] for q in seqs])
+    close(got, ref, "float32")
+
+
+def test_reference_evaluator_runs_the_quantized_target(llama, tmp_path):
+    """eval (reference decoder): greedy output is the dequantized target's own, draft or no draft."""
+    from eagle_helpers import make_train_dir, new_draft
+    from nestling.evaluate.run import EvalSettings, run_reference
+    from nestling.evaluate.specdec import target_generate
+    from nestling.export import ExportSettings, export
+
+    w4, _, deq_model = llama
+    draft_dir = export(make_train_dir(new_draft(w4, [1, 3, 4], draft_vocab_size=64), tmp_path / "train"),
+                       tmp_path / "draft", ExportSettings(dtype="float32"))
+    prompts = [[5, 6, 7, 8], list(range(200, 212))]
+    res = run_reference(w4, draft_dir, prompts, EvalSettings(k=2, max_new_tokens=6, baseline=False))
+    assert res["outputs"] == [target_generate(deq_model, p, 6)[0] for p in prompts]
+
+
+def test_hf_regeneration_runs_the_quantized_target(llama):
+    """regenerate (hf engine, fast decode loop): greedy answers equal `generate` on the dequantized target."""
+    from nestling.regenerate import RegenerateSettings
+    from nestling.regenerate.engine import Request
+    from nestling.regenerate.hf_engine import HFEngine
+
+    w4, _, deq_model = llama
+    engine = HFEngine(w4, RegenerateSettings(engine="hf", hf_batch_size=2, max_new_tokens=5))
+    assert engine.model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
+    reqs = [Request([10, 20, 30], 5, 0), Request(list(range(300, 309)), 5, 0)]
+    with torch.inference_mode():
+        want = [deq_model.generate(torch.tensor([r.prompt_ids]), do_sample=False, max_new_tokens=5, temperature=None,
+                                   top_p=None, top_k=None, eos_token_id=engine.eos, pad_token_id=engine.eos[0])
+                [0, len(r.prompt_ids):].tolist() for r in reqs]
+    assert [c.token_ids for c in engine.generate(reqs)] == want
+
+
+def test_online_auto_counts_the_dequantized_weights(targets):
+    """`online: auto` sizes the target as load_model holds it: dense, not as its packed files."""
+    from nestling.targets.load import dense_parameter_count
+    from nestling.train.features import target_weight_bytes
+
+    for arch in ARCHS:
+        dense, w4, _ = targets[arch]
+        n = sum(v.numel() for v in transformers_model(dense, False).state_dict().values())  # + the router bias buffer
+        assert dense_parameter_count(w4) == dense_parameter_count(dense) == n
+        assert target_weight_bytes(w4, "float32") == 4 * n
+        size = lambda d: sum(f.stat().st_size for f in d.glob("*.safetensors"))  # noqa: E731
+        assert size(w4) < size(dense) - 3 * 4 * (n - 2 * 49152 * 128) // 4  # the projections are 8x smaller
+
+
+def test_a_quantized_lm_head_is_refused_not_read_as_the_embedding(targets, tmp_path):
+    """The trainer reads lm_head raw: packed (lm_head.weight absent) it must not fall back to the embedding."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from nestling.errors import NestlingError
+
+    _, w4, _ = targets["llama"]
+    bad = tmp_path / "bad"
+    shutil.copytree(w4, bad)
+    f = next(bad.glob("*.safetensors"))
+    sd = load_file(str(f))
+    sd["lm_head.weight_packed"] = sd.pop("lm_head.weight")[:, :16].to(torch.int32)  # the name is what counts
+    save_file(sd, str(f))
+    with pytest.raises(NestlingError, match="quantized lm_head or embedding .*lm_head.weight_packed"):
+        head_tensor_names(bad)

@@ -161,6 +161,34 @@ def quantized_load_kwargs(target: str | Path) -> dict[str, Any]:
     return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
 
 
+# Tensors a quantized checkpoint stores besides its weights; gone (or unused) once dequantized.
+QUANT_AUX_SUFFIXES = ("weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx", "weight_global_scale",
+                      "input_scale", "input_zero_point", "input_global_scale")
+
+
+def dense_parameter_count(target: str | Path) -> int:
+    """The target's parameters once dequantized, from the safetensors headers (no weights read but the
+    tiny `weight_shape` tensors): a packed weight counts at its `weight_shape`, scales and zero points
+    not at all. What `load_model` holds in memory, at the run's dtype, for a quantized checkpoint."""
+    import math
+
+    from safetensors import safe_open
+
+    d = resolve_target(target)
+    wmap = _weight_map(d)
+    n = 0
+    for f in sorted(set(wmap.values())):
+        with safe_open(d / f, "pt") as sf:
+            for k in sf.keys():
+                if k.endswith("weight_packed"):
+                    shape = k[: -len("packed")] + "shape"
+                    with safe_open(d / wmap[shape], "pt") as sh:
+                        n += math.prod(int(x) for x in sh.get_tensor(shape).tolist())
+                elif not k.endswith(QUANT_AUX_SUFFIXES):
+                    n += math.prod(sf.get_slice(k).get_shape())
+    return n
+
+
 def _finish_dequantize(model, dtype) -> None:
     """Decompress whatever transformers left compressed, then give the dequantized weights `dtype` as
     a dense load would: compressed-tensors dequantizes into the scales' dtype (bf16 scales under a
@@ -239,10 +267,9 @@ def head_tensor_names(target: str | Path) -> dict[str, str]:
     embed = pick("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
     norm = pick("model.norm.weight", "model.language_model.norm.weight")
     lm_head = pick("lm_head.weight") or embed
-    quantized_head = [k for k in wmap if k.startswith("lm_head.") and k != "lm_head.weight"]
-    if quantized_head or (embed is not None and f"{embed[:-len('weight')]}weight_scale" in wmap):
-        # read raw, a packed or FP8 head would be garbage (or, with lm_head.weight absent, silently the embedding)
-        raise NestlingError(f"target {target} stores a quantized lm_head or embedding ({(quantized_head or [embed])[0]}); "
+    quantized = [k for k in wmap if k.startswith("lm_head.weight_") or (embed and k.startswith(embed + "_"))]
+    if quantized:  # read raw, a packed or FP8 head is garbage (or, with lm_head.weight absent, silently the embedding)
+        raise NestlingError(f"target {target} stores a quantized lm_head or embedding ({quantized[0]}); "
                             "the trainer reads those tensors dense: use a checkpoint that leaves them unquantized "
                             "(compressed-tensors `ignore: [lm_head]`, as quantized releases do)")
     if embed is None or norm is None:
