@@ -6,7 +6,8 @@ by one, becomes `weight_packed` (int4 packed into int32) + `weight_scale` (one p
 + `weight_shape`, through compressed-tensors' own `calculate_qparams` and `PackedQuantizationCompressor`;
 `config.json` gets the `quantization_config` compressed-tensors writes (`ignore: [lm_head]`; embeddings,
 norms and the MoE router are not Linear layers and stay dense). The folders are built once into the
-nestling cache, keyed on the dense weights and this file.
+nestling cache, keyed on the dense weights and this file. W8A8 checkpoints (FP8 or int8 weights with a
+scale per output channel, activations quantized per token at run time) are made the same way.
 """
 
 from __future__ import annotations
@@ -81,16 +82,48 @@ def dequantize_folder(src: Path, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
+def quantize_w8a8(src: Path, out: Path, preset: str) -> None:
+    """`src` as a W8A8 checkpoint: "FP8_DYNAMIC" (float-quantized: FP8 weights with a scale per output
+    channel, activations FP8 per token at run time) or "W8A8" (int-quantized: the same in int8)."""
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor, IntQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    fmt, compressor = {"FP8_DYNAMIC": ("float-quantized", FloatQuantizationCompressor),
+                       "W8A8": ("int-quantized", IntQuantizationCompressor)}[preset]
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    scheme.format = fmt
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    for f in sorted(Path(out).glob("*.safetensors")):
+        packed = {}
+        for name, w in load_file(str(f)).items():
+            if not LINEAR.search(name):
+                packed[name] = w
+                continue
+            scale, zero = calculate_qparams(w.amin(-1, keepdim=True), w.amax(-1, keepdim=True), scheme.weights)
+            for k, v in compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero}, scheme).items():
+                packed[name[: -len("weight")] + k] = v.contiguous()
+        save_file(packed, str(f), metadata={"format": "pt"})
+    qcfg = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format=fmt,
+                              quantization_status="compressed")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", **qcfg.model_dump(exclude={"quant_method"})}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
 def quantized_target(dense: Path, kind: str = "w4a16") -> Path:
-    """`dense` quantized W4A16 (kind "w4a16") or that checkpoint decompressed back to dense float32
-    (kind "dequantized"), built once into the nestling cache."""
+    """`dense` quantized W4A16 (kind "w4a16"), that checkpoint decompressed back to dense float32
+    ("dequantized"), or W8A8 ("FP8_DYNAMIC", "W8A8"); built once into the nestling cache."""
     from nestling.assets import build_once, cache_dir
     from nestling.manifest import hash_files
 
     key = hash_files(sorted(Path(dense).glob("*.safetensors")) + [Path(__file__)])
-    w4 = build_once(cache_dir() / "tiny" / f"{Path(dense).name}-w4a16-g{GROUP}-{key}", lambda tmp: quantize_w4a16(dense, tmp))
+    name = Path(dense).name
+    if kind in ("FP8_DYNAMIC", "W8A8"):
+        return build_once(cache_dir() / "tiny" / f"{name}-{kind.lower()}-{key}", lambda tmp: quantize_w8a8(dense, tmp, kind))
+    w4 = build_once(cache_dir() / "tiny" / f"{name}-w4a16-g{GROUP}-{key}", lambda tmp: quantize_w4a16(dense, tmp))
     if kind == "w4a16":
         return w4
     assert kind == "dequantized", kind
-    return build_once(cache_dir() / "tiny" / f"{Path(dense).name}-w4a16-g{GROUP}-dense-{key}",
-                      lambda tmp: dequantize_folder(w4, tmp))
+    return build_once(cache_dir() / "tiny" / f"{name}-w4a16-g{GROUP}-dense-{key}", lambda tmp: dequantize_folder(w4, tmp))

@@ -227,3 +227,31 @@ def test_a_quantized_lm_head_is_refused_not_read_as_the_embedding(targets, tmp_p
     save_file(sd, str(f))
     with pytest.raises(NestlingError, match="quantized lm_head or embedding .*lm_head.weight_packed"):
         head_tensor_names(bad)
+
+
+@pytest.mark.parametrize("preset", ["FP8_DYNAMIC", "W8A8"])
+def test_w8a8_targets_capture_like_transformers(preset, tiny_target, data_dir, tmp_path):
+    """W8A8 (FP8 or int8, per-channel weights, dynamic per-token activations) on the CPU: the weights are
+    dequantized at load and compressed-tensors still quantizes each layer's input per token in the
+    forward, as the serving engine does. The capture (two padded sequences in one batch) equals
+    transformers' forward one sequence at a time within 1e-5 x RMS (measured max abs diff 1.4e-6) and
+    stays within 0.2 of the unquantized states (measured up to 0.085 FP8, 0.025 int8: 8 bits lose far
+    less than int4's 0.44)."""
+    dense = tiny_target("llama")
+    target = quantized_target(dense, preset)
+    backend_ids = [2, 3, 6]
+    from nestling.capture.hf import HFBackend
+
+    backend = HFBackend(target, backend_ids, CaptureSettings(dtype="float32", device="cpu"))
+    assert backend.model.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
+    seqs = [[5, 900, 31, 7, 1200, 44, 9], [300, 301]]
+    got = backend.capture(seqs)
+    backend.close()
+    q, d = transformers_model(target, True), transformers_model(dense, False)
+    ref = torch.cat([reference(q, torch.tensor(s), backend_ids)[0] for s in seqs])
+    unq = torch.cat([reference(d, torch.tensor(s), backend_ids)[0] for s in seqs])
+    close(got, ref, "float32")
+    rel = ((got - unq).norm(dim=(0, 2)) / unq.norm(dim=(0, 2)))
+    print(f"{preset}: capture vs transformers max abs diff {(got - ref).abs().max().item():.3g}; relative error "
+          f"vs unquantized per id {[round(x, 4) for x in rel.tolist()]}")
+    assert (rel[1:] > 1e-3).all() and (rel < 0.2).all(), rel
