@@ -145,8 +145,8 @@ def quantized_load_kwargs(target: str | Path) -> dict[str, Any]:
     `run_compressed=False`), on the CPU and on CUDA alike. transformers 5.19 has no packed-int4 kernel
     (left compressed, it decompresses the whole model in a pre-hook on the first forward of the
     *CausalLM* module, which capture never calls: it runs the decoder stack alone), and its FP8 kernel
-    path is opt-in and inference only. So the target runs as dense `dtype` weights that are exactly
-    the checkpoint's dequantized values: the memory of an unquantized model of the same shape.
+    path is opt-in and inference only. So the target runs as dense `dtype` weights, compressed-tensors'
+    own dequantization of the checkpoint: the memory of an unquantized model of the same shape.
     Other `quant_method`s go to transformers' own quantizer unchanged."""
     q = quantization_config(target)
     if not q or q.get("quant_method") != COMPRESSED_TENSORS:
