@@ -202,3 +202,14 @@ def weight_bytes(cfg: dict, params: ParamCount | None = None) -> dict[str, float
             module = module.format(i=first_moe if "experts" in group else 0)
         out[group] = n * (q.bits if q.quantized(module) else 16) / 8
     return out
+
+
+def loaded_weight_bytes(cfg: dict, params: ParamCount | None = None) -> float:
+    """Bytes the target's weights take once transformers loads it (the hf capture backend, online
+    training): `targets.load.load_model` dequantizes a compressed-tensors checkpoint (transformers has no
+    packed-int4 kernel, and merges MoE experts dequantized), so every parameter is bf16 there; other
+    checkpoints as stored."""
+    params = params or count_params(cfg)
+    if (cfg.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
+        return params.n_total * 2
+    return sum(weight_bytes(cfg, params).values())

@@ -34,7 +34,9 @@ def table(p: dict) -> str:
     for name, st in p["store"].items():
         lines.append(f"  {name:<10} {st['bytes_per_token']:>12,} {_b(st['bytes']):>12}  {_yes(st['fits_disk'])}")
     split = "TP" if tm["backend"] == "vllm" else "GPUs"
-    lines += ["", f"target on GPUs (weights {_b(t['weight_bytes'])}; per GPU + {_b(tm['work_bytes'])} for a "
+    held = tm.get("weight_bytes", t["weight_bytes"])
+    dense = " dequantized to bf16 by transformers" if held != t["weight_bytes"] else ""
+    lines += ["", f"target on GPUs (weights {_b(held)}{dense}; per GPU + {_b(tm['work_bytes'])} for a "
                   f"forward's KV cache, activations and runtime)",
               f"  capture backend {tm['backend']}: {tm['backend_why']}",
               f"  {split:>4} {'DP':>3} {'per GPU':>12}  fits"]

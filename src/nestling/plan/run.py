@@ -88,10 +88,14 @@ def capture_backend(cfg: dict) -> tuple[str, str]:
     return "vllm", "vLLM's extract_hidden_states path serves this architecture"
 
 
-def target_plan(cfg: dict, weights: float, s: PlanSettings, usable: float, n_ids: int) -> dict:
+def target_plan(cfg: dict, weights: float, s: PlanSettings, usable: float, n_ids: int,
+                loaded: float | None = None) -> dict:
     """Per-GPU memory when the weights are split over 1, 2, 4, ... of the GPUs (vllm: the TP degree, the
-    rest data-parallel replicas; hf: device_map over that many GPUs, one replica); the smallest that fits."""
+    rest data-parallel replicas; hf: device_map over that many GPUs, one replica); the smallest that fits.
+    `weights` as stored (what vLLM holds), `loaded` as transformers holds them (the hf backend)."""
     backend, why = capture_backend(cfg)
+    if backend == "hf" and loaded is not None:
+        weights = loaded
     work = capture_work_bytes(cfg, n_ids, s.token_budget)
     options = []
     tp = 1
@@ -102,7 +106,7 @@ def target_plan(cfg: dict, weights: float, s: PlanSettings, usable: float, n_ids
             options.append({"tp": tp, "dp": dp, "per_gpu_bytes": per_gpu, "fits": per_gpu <= usable})
         tp *= 2
     fit = next((o for o in options if o["fits"]), None)
-    return {"backend": backend, "backend_why": why, "work_bytes": work, "options": options,
+    return {"backend": backend, "backend_why": why, "work_bytes": work, "weight_bytes": weights, "options": options,
             "tp": fit["tp"] if fit else None, "dp": fit["dp"] if fit else None,
             # GPUs computing at once: vllm's TP x DP all work; hf's device_map runs the layers in turn
             "busy_gpus": (s.gpus if backend == "vllm" else 1) if fit else 0}
@@ -202,10 +206,11 @@ def plan(target: str | Path, settings: PlanSettings | None = None) -> dict:
     params = M.count_params(cfg)
     quant = M.quantization(cfg)
     weights = sum(M.weight_bytes(cfg, params).values())
+    loaded = M.loaded_weight_bytes(cfg, params)  # the hf backend and online training: compressed-tensors dequantized
     store = store_plan(len(layer_ids), H, tokens, disk)
-    target_mem = target_plan(cfg, weights, s, usable, len(layer_ids))
+    target_mem = target_plan(cfg, weights, s, usable, len(layer_ids), loaded)
     draft = draft_plan(cfg, layer_ids, s, usable)
-    online_per_gpu = weights + target_mem["work_bytes"] + draft["per_gpu_bytes"]
+    online_per_gpu = loaded + target_mem["work_bytes"] + draft["per_gpu_bytes"]
     ms = modes(store, target_mem, draft, online_per_gpu, usable, s)
     return {
         "target": {"path": str(target), "model_type": cfg.get("model_type"), "layers": L, "hidden_size": H,

@@ -1,5 +1,11 @@
 """Load a target: a local Hugging Face folder or a `.gguf` file (converted once to safetensors).
 
+Every stage that runs the target (capture's hf backend, online training, the hf regeneration
+engine, the reference evaluator) gets it from `load_model`, so quantized checkpoints load the same
+way everywhere: a compressed-tensors folder (`quantization_config.quant_method` "compressed-tensors":
+W4A16 pack-quantized, W8A16 / W8A8 int or FP8) is dequantized to dense weights at load
+(`quantized_load_kwargs`).
+
 Stages that need only a few tensors (the trainer needs embedding, lm_head and final norm) read
 them straight from the safetensors files, never the whole model.
 """
@@ -7,6 +13,7 @@ them straight from the safetensors files, never the whole model.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -121,17 +128,99 @@ def load_tokenizer(target: str | Path):
         raise _transformers_error("tokenizer", path, e) from None
 
 
+def quantization_config(target: str | Path) -> dict | None:
+    """The checkpoint's `quantization_config` (top level, or the text config's in a multimodal folder)."""
+    cfg = json.loads((resolve_target(target) / "config.json").read_text())
+    q = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
+    return q if isinstance(q, dict) else None
+
+
+COMPRESSED_TENSORS = "compressed-tensors"
+
+
+def quantized_load_kwargs(target: str | Path) -> dict[str, Any]:
+    """from_pretrained arguments for a quantized checkpoint ({} for a dense one).
+
+    compressed-tensors: always dequantized at load (`CompressedTensorsConfig(dequantize=True)`, the old
+    `run_compressed=False`), on the CPU and on CUDA alike. transformers 5.19 has no packed-int4 kernel
+    (left compressed, it decompresses the whole model in a pre-hook on the first forward of the
+    *CausalLM* module, which capture never calls: it runs the decoder stack alone), and its FP8 kernel
+    path is opt-in and inference only. So the target runs as dense `dtype` weights, compressed-tensors'
+    own dequantization of the checkpoint: the memory of an unquantized model of the same shape.
+    Other `quant_method`s go to transformers' own quantizer unchanged."""
+    q = quantization_config(target)
+    if not q or q.get("quant_method") != COMPRESSED_TENSORS:
+        return {}
+    try:
+        import compressed_tensors  # noqa: F401
+        from transformers import CompressedTensorsConfig
+    except ImportError as e:
+        raise NestlingError(f"target {target} is a compressed-tensors checkpoint (quantization format "
+                            f"{q.get('format')!r}) and loading it needs the `compressed-tensors` package ({e}); "
+                            "`pip install 'compressed-tensors>=0.15,<0.18'`") from None
+    return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
+
+
+# Tensors a quantized checkpoint stores besides its weights; gone (or unused) once dequantized.
+QUANT_AUX_SUFFIXES = ("weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx", "weight_global_scale",
+                      "input_scale", "input_zero_point", "input_global_scale")
+
+
+def dense_parameter_count(target: str | Path) -> int:
+    """The target's parameters once dequantized, from the safetensors headers (no weights read but the
+    tiny `weight_shape` tensors): a packed weight counts at its `weight_shape`, scales and zero points
+    not at all. What `load_model` holds in memory, at the run's dtype, for a quantized checkpoint."""
+    import math
+
+    from safetensors import safe_open
+
+    d = resolve_target(target)
+    wmap = _weight_map(d)
+    n = 0
+    for f in sorted(set(wmap.values())):
+        with safe_open(d / f, "pt") as sf:
+            for k in sf.keys():
+                if k.endswith("weight_packed"):
+                    shape = k[: -len("packed")] + "shape"
+                    with safe_open(d / wmap[shape], "pt") as sh:
+                        n += math.prod(int(x) for x in sh.get_tensor(shape).tolist())
+                elif not k.endswith(QUANT_AUX_SUFFIXES):
+                    n += math.prod(sf.get_slice(k).get_shape())
+    return n
+
+
+def _finish_dequantize(model, dtype) -> None:
+    """Decompress whatever transformers left compressed, then give the dequantized weights `dtype` as
+    a dense load would: compressed-tensors dequantizes into the scales' dtype (bf16 scales under a
+    float32 run left the MoE experts bf16), so every floating parameter but transformers'
+    keep-in-fp32 ones is cast, exactly as `from_pretrained(dtype=...)` does for a dense folder."""
+    quantizer = getattr(model, "hf_quantizer", None)  # None once dequantized: transformers drops it then
+    if hasattr(model, "ct_decompress_hook") and quantizer is not None:  # left compressed: decompress now, not
+        quantizer.compressor.decompress_model(model)                      # on a forward capture never makes
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ()) | set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype != dtype and not keep.intersection(name.split(".")):
+            p.data = p.data.to(dtype)
+
+
 def load_model(target: str | Path, dtype: str = "bfloat16", device: str = "cpu", device_map: str | None = None):
-    """The target as an eval-mode transformers model with SDPA attention."""
+    """The target as an eval-mode transformers model with SDPA attention; a quantized checkpoint
+    comes back with dense weights (`quantized_load_kwargs`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     path = resolve_target(target)
     require_safetensors(path)
     kw: dict[str, Any] = {"dtype": getattr(torch, dtype), "attn_implementation": "sdpa", "use_safetensors": True}
+    quantized = quantized_load_kwargs(path)
+    kw.update(quantized)
     if device_map:
         kw["device_map"] = device_map
-    model = AutoModelForCausalLM.from_pretrained(path, **kw)
+    with warnings.catch_warnings():  # "you passed quantization_config ... the model's will be used": meant so
+        warnings.filterwarnings("ignore", message=".*already has a `quantization_config` attribute.*")
+        model = AutoModelForCausalLM.from_pretrained(path, **kw)
+    if quantized:
+        _finish_dequantize(model, getattr(torch, dtype))
     if not device_map:
         model = model.to(device)
     return model.eval()
@@ -178,6 +267,11 @@ def head_tensor_names(target: str | Path) -> dict[str, str]:
     embed = pick("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
     norm = pick("model.norm.weight", "model.language_model.norm.weight")
     lm_head = pick("lm_head.weight") or embed
+    quantized = [k for k in wmap if k.startswith("lm_head.weight_") or (embed and k.startswith(embed + "_"))]
+    if quantized:  # read raw, a packed or FP8 head is garbage (or, with lm_head.weight absent, silently the embedding)
+        raise NestlingError(f"target {target} stores a quantized lm_head or embedding ({quantized[0]}); "
+                            "the trainer reads those tensors dense: use a checkpoint that leaves them unquantized "
+                            "(compressed-tensors `ignore: [lm_head]`, as quantized releases do)")
     if embed is None or norm is None:
         raise NestlingError(f"cannot find embedding / final norm tensors in {target}")
     return {"embed": embed, "lm_head": lm_head, "norm": norm}

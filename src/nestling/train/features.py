@@ -269,12 +269,15 @@ def target_states(inp: "Inputs", s: "TrainSettings", device: torch.device) -> Ta
 # ---- `online: auto` (nestling run) ---------------------------------------------------------------
 
 def target_weight_bytes(target: Path, dtype: str) -> int:
-    """The target's weights in `dtype` (safetensors sizes, rescaled when stored wider or narrower)."""
-    from nestling.targets.load import load_config
+    """The target's weights in `dtype` (safetensors sizes, rescaled when stored wider or narrower; a
+    quantized checkpoint at its dequantized parameter count, as load_model holds it)."""
+    from nestling.targets.load import dense_parameter_count, load_config, quantized_load_kwargs
 
+    width = {"float32": 4, "bfloat16": 2, "float16": 2}
+    if quantized_load_kwargs(target):
+        return dense_parameter_count(target) * width.get(dtype, 2)
     cfg = load_config(target)
     stored = str(getattr(cfg, "torch_dtype", None) or getattr(cfg, "dtype", None) or "bfloat16").replace("torch.", "")
-    width = {"float32": 4, "bfloat16": 2, "float16": 2}
     files = sum(p.stat().st_size for p in Path(target).glob("*.safetensors"))
     return int(files * width.get(dtype, 2) / width.get(stored, 2))
 

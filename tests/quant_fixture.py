@@ -1,0 +1,129 @@
+"""Quantized tiny targets, made by the compressed-tensors library itself (no llm-compressor, no hub).
+
+The dense tiny target's safetensors are quantized tensor by tensor, the way a released checkpoint
+(Kimi-K2.5's routed experts, say) stores them: every Linear projection of the decoder, MoE experts one
+by one, becomes `weight_packed` (int4 packed into int32) + `weight_scale` (one per group of 32 inputs)
++ `weight_shape`, through compressed-tensors' own `calculate_qparams` and `PackedQuantizationCompressor`;
+`config.json` gets the `quantization_config` compressed-tensors writes (`ignore: [lm_head]`; embeddings,
+norms and the MoE router are not Linear layers and stay dense). The folders are built once into the
+nestling cache, keyed on the dense weights and this file. W8A8 checkpoints (FP8 or int8 weights with a
+scale per output channel, activations quantized per token at run time) are made the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+GROUP = 32
+# The decoder's Linear projections in Llama and DeepSeek-V3 (MLA: q_a/q_b, kv_a_proj_with_mqa, kv_b; MoE: experts.N.*).
+LINEAR = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|q_a_proj|q_b_proj|"
+                    r"kv_a_proj_with_mqa|kv_b_proj)\.weight$")
+
+
+def w4a16_scheme():
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP)
+    return QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
+
+
+def quantize_w4a16(src: Path, out: Path) -> None:
+    """Write `src` (a dense HF folder) to `out` as a W4A16 pack-quantized compressed-tensors checkpoint."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    scheme = w4a16_scheme()
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    for f in sorted(Path(out).glob("*.safetensors")):
+        packed = {}
+        for name, w in load_file(str(f)).items():
+            if not LINEAR.search(name):
+                packed[name] = w
+                continue
+            groups = w.unflatten(-1, (-1, GROUP))
+            scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+            module = name[: -len("weight")]
+            for k, v in PackedQuantizationCompressor.compress(
+                    {"weight": w, "weight_scale": scale, "weight_zero_point": zero}, scheme).items():
+                packed[module + k] = v.contiguous()
+        save_file(packed, str(f), metadata={"format": "pt"})
+    qcfg = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format="pack-quantized",
+                              quantization_status="compressed")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", **qcfg.model_dump(exclude={"quant_method"})}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def dequantize_folder(src: Path, out: Path) -> None:
+    """The W4A16 folder `src` decompressed by compressed-tensors into a dense float32 folder: the
+    weights the quantized target really computes with, loaded without any quantizer."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from safetensors.torch import load_file, save_file
+
+    scheme = w4a16_scheme()
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    for f in sorted(Path(out).glob("*.safetensors")):
+        sd = load_file(str(f))
+        dense = {k: v for k, v in sd.items() if not k.endswith(("weight_packed", "weight_scale", "weight_shape"))}
+        for k in (k for k in sd if k.endswith("weight_packed")):
+            m = k[: -len("weight_packed")]
+            part = {n: sd[m + n] for n in ("weight_packed", "weight_scale", "weight_shape")}
+            dense[m + "weight"] = PackedQuantizationCompressor.decompress(part, scheme)["weight"].to(torch.float32)
+        save_file(dense, str(f), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["quantization_config"]
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def quantize_w8a8(src: Path, out: Path, preset: str) -> None:
+    """`src` as a W8A8 checkpoint: "FP8_DYNAMIC" (float-quantized: FP8 weights with a scale per output
+    channel, activations FP8 per token at run time) or "W8A8" (int-quantized: the same in int8)."""
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor, IntQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    fmt, compressor = {"FP8_DYNAMIC": ("float-quantized", FloatQuantizationCompressor),
+                       "W8A8": ("int-quantized", IntQuantizationCompressor)}[preset]
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    scheme.format = fmt
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    for f in sorted(Path(out).glob("*.safetensors")):
+        packed = {}
+        for name, w in load_file(str(f)).items():
+            if not LINEAR.search(name):
+                packed[name] = w
+                continue
+            scale, zero = calculate_qparams(w.amin(-1, keepdim=True), w.amax(-1, keepdim=True), scheme.weights)
+            for k, v in compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero}, scheme).items():
+                packed[name[: -len("weight")] + k] = v.contiguous()
+        save_file(packed, str(f), metadata={"format": "pt"})
+    qcfg = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format=fmt,
+                              quantization_status="compressed")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", **qcfg.model_dump(exclude={"quant_method"})}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def quantized_target(dense: Path, kind: str = "w4a16") -> Path:
+    """`dense` quantized W4A16 (kind "w4a16"), that checkpoint decompressed back to dense float32
+    ("dequantized"), or W8A8 ("FP8_DYNAMIC", "W8A8"); built once into the nestling cache."""
+    from nestling.assets import build_once, cache_dir
+    from nestling.manifest import hash_files
+
+    key = hash_files(sorted(Path(dense).glob("*.safetensors")) + [Path(__file__)])
+    name = Path(dense).name
+    if kind in ("FP8_DYNAMIC", "W8A8"):
+        return build_once(cache_dir() / "tiny" / f"{name}-{kind.lower()}-{key}", lambda tmp: quantize_w8a8(dense, tmp, kind))
+    w4 = build_once(cache_dir() / "tiny" / f"{name}-w4a16-g{GROUP}-{key}", lambda tmp: quantize_w4a16(dense, tmp))
+    if kind == "w4a16":
+        return w4
+    assert kind == "dequantized", kind
+    return build_once(cache_dir() / "tiny" / f"{name}-w4a16-g{GROUP}-dense-{key}", lambda tmp: dequantize_folder(w4, tmp))
