@@ -82,8 +82,9 @@ def main() -> None:
     from nestling.data.prepare import prepare_data
     from nestling.data.settings import DataSettings
     from nestling.evaluate.run import EvalSettings, evaluate
-    from nestling.export import export
-    from nestling.train import TrainSettings, train
+    from nestling.export.run import export
+    from nestling.train.loop import train
+    from nestling.train.settings import TrainSettings
 
     t_all = time.monotonic()
     budget = quality.BUDGETS[args.budget]
@@ -115,7 +116,8 @@ def main() -> None:
     res["train_conversations"] = n_train
     src = train_path
     if args.regenerate:
-        from nestling.regenerate import RegenerateSettings, regenerate
+        from nestling.regenerate.run import regenerate
+        from nestling.regenerate.settings import RegenerateSettings
 
         rs = RegenerateSettings(engine="hf", device=args.device, dtype="bfloat16" if cuda else "float32", hf_batch_size=args.regen_batch,
                                 hf_batch_tokens=args.regen_batch * 1536, chunk_size=args.regen_chunk, max_new_tokens=args.regen_max_new_tokens,
