@@ -195,7 +195,9 @@ def main() -> None:
 
     from nestling.assets import smollm2_dir
     from nestling.evaluate.prompts import load_prompts
-    from nestling.pipeline import STAGES, load_run_config, run_config
+    from nestling.pipeline.run import run_config
+    from nestling.pipeline.settings import load_run_config
+    from nestling.pipeline.stages import STAGES
     from nestling.pipeline.state import read_state
     from nestling.targets.load import load_tokenizer
 

@@ -102,7 +102,7 @@ from nestling.errors import NestlingError
 from nestling.stage import resolve
 expected = {"prepare_data": "nestling.data.prepare", "capture": "nestling.capture.run",
             "train": "nestling.train.loop", "export": "nestling.export.run",
-            "evaluate": "nestling.evaluate.run", "regenerate": "nestling.regenerate.run", "run": "nestling.pipeline"}
+            "evaluate": "nestling.evaluate.run", "regenerate": "nestling.regenerate.run", "run": "nestling.pipeline.run"}
 for sub in ("nestling.capture.run", "nestling.train.data", "nestling.export.contract", "nestling.regenerate.chat",
             "nestling.evaluate.run", "nestling.data.prepare", "nestling.pipeline"):
     importlib.import_module(sub)

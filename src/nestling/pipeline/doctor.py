@@ -122,8 +122,9 @@ def doctor(dry_run: bool = True, scratch: Path | None = None) -> int:
 def doctor_dry_run(scratch: Path | None = None) -> dict:
     """The real dry run on a tiny Llama target from the cache and the built-in conversations."""
     from nestling.assets import cache_dir, smollm2_dir
-    from nestling.pipeline import STAGES, load_run_config
     from nestling.pipeline.dryrun import dry_run
+    from nestling.pipeline.settings import load_run_config
+    from nestling.pipeline.stages import STAGES
     from nestling.targets.tiny import build_tiny_target
 
     target = build_tiny_target("llama", cache_dir() / "tiny" / "doctor-llama", tokenizer_dir=smollm2_dir())

@@ -20,8 +20,8 @@ from typing import Any, Sequence
 from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, atomic_write_json
 from nestling.outdir import mark
-from nestling.pipeline.config import RunConfig
-from nestling.pipeline.runner import clear_run, enabled_stages, resolve_paths, run
+from nestling.pipeline.settings import RunConfig
+from nestling.pipeline.run import clear_run, enabled_stages, resolve_paths, run_config
 from nestling.pipeline.stages import STAGES, Stage, train_mode
 from nestling.pipeline.state import read_progress, read_state
 from nestling.progress import format_bytes, format_duration, log
@@ -266,7 +266,7 @@ def dry_run(config: RunConfig, *, stages: Sequence[Stage] = STAGES, scratch: Pat
             ran = [s for s in active if s.name in ("data", "capture")]
             check_disk(estimate(config, ran, {s.name: _measure(scratch, s.name) for s in ran}, real_run_dir))
 
-    run(dry_config, stages=stages, dry_run=True, header="nestling run --dry-run", after_stage=after)
+    run_config(dry_config, stages=stages, dry_run=True, header="nestling run --dry-run", after_stage=after)
     measured = {s.name: _measure(scratch, s.name) for s in active}
     ests = estimate(config, stages, measured, real_run_dir)
     table = format_estimates(ests, free, real_run_dir)
