@@ -22,6 +22,7 @@ from nestling.export import contract
 from nestling.export.settings import ExportSettings
 from nestling.manifest import MANIFEST, hash_files, read_manifest, write_manifest
 from nestling.progress import log
+from nestling.targets.layers import sglang_layer_ids, vllm_layer_ids
 
 BUILD_PREFIX = ".export-build-"  # outdir.OWNS["export"] names it: a crashed build is removed by the next export
 
@@ -116,11 +117,11 @@ def _export(train_dir: Path, out: Path, settings: ExportSettings, manifest: dict
         out, "export", to_dict(settings),
         inputs={"target": cfg.target_fingerprint, "train": hash_files([train_dir / "manifest.json"])},
         target=str(target), format=settings.format, aux_layer_ids=list(cfg.aux_layer_ids),
-        vllm_layer_ids=contract.vllm_layer_ids(cfg.aux_layer_ids),
-        sglang_layer_ids=contract.sglang_layer_ids(cfg.aux_layer_ids),
+        vllm_layer_ids=vllm_layer_ids(cfg.aux_layer_ids),
+        sglang_layer_ids=sglang_layer_ids(cfg.aux_layer_ids),
     )
     log(f"[export] wrote {settings.format} draft to {out} (aux layers: nestling/vLLM {cfg.aux_layer_ids}, "
-        f"SGLang {contract.sglang_layer_ids(cfg.aux_layer_ids)})")
+        f"SGLang {sglang_layer_ids(cfg.aux_layer_ids)})")
     return out
 
 
