@@ -266,7 +266,8 @@ def export_run(train_dir: Path, exp: Path, checkpoint: Path | None = None) -> Pa
 
 def reference(b: Bench, train_dir: Path, name: str, checkpoint: Path | None = None) -> dict:
     """Export (a checkpoint of) a run and decode the held-out prompts with the reference decoder."""
-    from nestling.evaluate.run import EvalSettings, evaluate
+    from nestling.evaluate.run import evaluate
+    from nestling.evaluate.settings import EvalSettings
 
     exp = export_run(train_dir, b.w / f"export-{name}", checkpoint)
     a = b.args

@@ -112,7 +112,8 @@ def per_forward(r: dict) -> float | None:
 def measure(args, draft: Path, target: str, prompts_path: Path, prompts: list[list[int]], out: Path,
             engine: str, dtype: str, baseline: bool, ngram: bool) -> tuple[list[dict], dict]:
     """Rows of the table for each K: the draft in `engine` (reference / vllm / both), then vLLM ngram."""
-    from nestling.evaluate.run import EvalSettings, evaluate
+    from nestling.evaluate.run import evaluate
+    from nestling.evaluate.settings import EvalSettings
 
     rows, stage_s = [], {}
     for k in args.k:

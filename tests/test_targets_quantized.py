@@ -170,7 +170,8 @@ def test_online_features_run_the_quantized_target(llama, tmp_path):
 def test_reference_evaluator_runs_the_quantized_target(llama, tmp_path):
     """eval (reference decoder): greedy output is the dequantized target's own, draft or no draft."""
     from eagle_helpers import make_train_dir, new_draft
-    from nestling.evaluate.run import EvalSettings, run_reference
+    from nestling.evaluate.run import run_reference
+    from nestling.evaluate.settings import EvalSettings
     from nestling.evaluate.specdec import target_generate
     from nestling.export.run import export
     from nestling.export.settings import ExportSettings

@@ -206,3 +206,11 @@ def _rmdir_if_empty(folder: Path) -> None:
         folder.rmdir()
     except OSError:  # not empty: what is left is not ours
         pass
+
+
+def free_bytes(path: str | Path) -> int:
+    """Free bytes on the disk that holds `path`, or would hold it: its nearest existing parent."""
+    p = Path(path).absolute()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free

@@ -10,11 +10,11 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
 from nestling.errors import NestlingError
+from nestling.outdir import free_bytes
 from nestling.progress import format_bytes
 
 # What nestling is tested with: (supported range, version CI runs)
@@ -92,10 +92,7 @@ def check_devices() -> list[tuple[str, str, str]]:
 def check_disk(paths: list[Path]) -> list[tuple[str, str, str]]:
     out = []
     for p in paths:
-        q = p.absolute()
-        while not q.exists():
-            q = q.parent
-        free = shutil.disk_usage(q).free
+        free = free_bytes(p)
         out.append(("ok" if free >= MIN_FREE else "warn", f"disk {p}", f"{format_bytes(free)} free"))
     return out
 

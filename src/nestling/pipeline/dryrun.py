@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any, Sequence
 
 from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, atomic_write_json
-from nestling.outdir import mark
+from nestling.outdir import free_bytes, mark
 from nestling.pipeline.settings import RunConfig
 from nestling.pipeline.run import clear_run, enabled_stages, resolve_paths, run_config
 from nestling.pipeline.stages import STAGES, Stage, train_mode
@@ -53,13 +52,6 @@ class Estimate:
 
 def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file()) if Path(path).exists() else 0
-
-
-def free_bytes(path: Path) -> int:
-    p = Path(path).absolute()
-    while not p.exists():
-        p = p.parent
-    return shutil.disk_usage(p).free
 
 
 def preflight(config: RunConfig, target: str) -> None:
