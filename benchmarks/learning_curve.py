@@ -119,7 +119,8 @@ def heldout_conversations(prompts: Path, out: Path) -> Path:
 
 
 def regen(b: Bench, name: str, src: Path, limit: int, max_turns: int, max_new: int, n: int = 1) -> Path:
-    from nestling.regenerate import RegenerateSettings, regenerate
+    from nestling.regenerate.run import regenerate
+    from nestling.regenerate.settings import RegenerateSettings
 
     out = b.w / name
     extra = {"n": n} if n > 1 else {}  # greedy plus n - 1 samples per prompt
@@ -212,7 +213,7 @@ def data_dir(b: Bench, over: dict) -> Path:
 
 
 def settings(b: Bench, over: dict, tokens: float | None = None, epochs: float | None = None, **extra):
-    from nestling.train import TrainSettings
+    from nestling.train.settings import TrainSettings
 
     s = {"device": b.args.device, "dtype": "bfloat16" if b.cuda else "float32", "batch_tokens": b.args.batch_tokens,
          "online": True, "target": str(b.target), "heldout_data": str(b.w / "data-eval"), "eval_batches": 1000,
@@ -243,7 +244,7 @@ def fresh(out: Path) -> Path:
 
 
 def train_variant(b: Bench, name: str, over: dict, **kw) -> dict:
-    from nestling.train import train
+    from nestling.train.loop import train
 
     out = fresh(b.w / f"train-{name}")
     s = settings(b, over, **kw)
@@ -255,8 +256,8 @@ def train_variant(b: Bench, name: str, over: dict, **kw) -> dict:
 
 
 def export_run(train_dir: Path, exp: Path, checkpoint: Path | None = None) -> Path:
-    from nestling.export import export
-    from nestling.export.eagle3 import ExportSettings
+    from nestling.export.run import export
+    from nestling.export.settings import ExportSettings
 
     if not (exp / "manifest.json").exists():
         export(train_dir, exp, ExportSettings(checkpoint=str(checkpoint) if checkpoint else None))
@@ -265,7 +266,8 @@ def export_run(train_dir: Path, exp: Path, checkpoint: Path | None = None) -> Pa
 
 def reference(b: Bench, train_dir: Path, name: str, checkpoint: Path | None = None) -> dict:
     """Export (a checkpoint of) a run and decode the held-out prompts with the reference decoder."""
-    from nestling.evaluate.run import EvalSettings, evaluate
+    from nestling.evaluate.run import evaluate
+    from nestling.evaluate.settings import EvalSettings
 
     exp = export_run(train_dir, b.w / f"export-{name}", checkpoint)
     a = b.args
@@ -319,7 +321,7 @@ def equal(b: Bench) -> None:
     train_path = b.w / "split" / "train.json"
     dd = tokenize(b, f"data-equal-{a.equal_conversations}", train_path, 1024, limit=a.equal_conversations,
                   **({"rows": recipe(b)["rows"]} if "rows" in recipe(b) else {}))
-    from nestling.train import train
+    from nestling.train.loop import train
 
     out = fresh(b.w / "train-equal")
     s = settings(b, over, epochs=a.equal_epochs)
@@ -335,7 +337,7 @@ def equal(b: Bench) -> None:
 def probe_rate(b: Bench, over: dict) -> float:
     """Training tokens/s of these settings on this device, as loaded now (other runs sharing the GPU
     included): a short run whose progress rows give the rate after its first rows (warm-up)."""
-    from nestling.train import train
+    from nestling.train.loop import train
 
     out = b.w / "probe"
     if out.exists():
@@ -370,7 +372,7 @@ def curve(b: Bench) -> None:
     total = max(1, math.ceil(curve_tokens(b, over) / (a.batch_tokens * over.get("grad_accum", 1))))
     every = max(1, total // a.curve_points)
     ck_every = max(1, total // a.ref_points) if a.ref_points else total  # 0: no decodes here
-    from nestling.train import train
+    from nestling.train.loop import train
     from nestling.train.checkpoint import list_checkpoints
 
     out = fresh(b.w / "train-curve")

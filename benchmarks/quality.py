@@ -112,7 +112,8 @@ def per_forward(r: dict) -> float | None:
 def measure(args, draft: Path, target: str, prompts_path: Path, prompts: list[list[int]], out: Path,
             engine: str, dtype: str, baseline: bool, ngram: bool) -> tuple[list[dict], dict]:
     """Rows of the table for each K: the draft in `engine` (reference / vllm / both), then vLLM ngram."""
-    from nestling.evaluate.run import EvalSettings, evaluate
+    from nestling.evaluate.run import evaluate
+    from nestling.evaluate.settings import EvalSettings
 
     rows, stage_s = [], {}
     for k in args.k:
@@ -195,7 +196,9 @@ def main() -> None:
 
     from nestling.assets import smollm2_dir
     from nestling.evaluate.prompts import load_prompts
-    from nestling.pipeline import STAGES, load_run_config, run_config
+    from nestling.pipeline.run import run_config
+    from nestling.pipeline.settings import load_run_config
+    from nestling.pipeline.stages import STAGES
     from nestling.pipeline.state import read_state
     from nestling.targets.load import load_tokenizer
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -81,9 +80,12 @@ def main() -> None:
     from nestling.capture.settings import CaptureSettings
     from nestling.data.prepare import prepare_data
     from nestling.data.settings import DataSettings
-    from nestling.evaluate.run import EvalSettings, evaluate
-    from nestling.export import export
-    from nestling.train import TrainSettings, train
+    from nestling.evaluate.run import evaluate
+    from nestling.evaluate.settings import EvalSettings
+    from nestling.export.run import export
+    from nestling.outdir import free_bytes
+    from nestling.train.loop import train
+    from nestling.train.settings import TrainSettings
 
     t_all = time.monotonic()
     budget = quality.BUDGETS[args.budget]
@@ -115,7 +117,8 @@ def main() -> None:
     res["train_conversations"] = n_train
     src = train_path
     if args.regenerate:
-        from nestling.regenerate import RegenerateSettings, regenerate
+        from nestling.regenerate.run import regenerate
+        from nestling.regenerate.settings import RegenerateSettings
 
         rs = RegenerateSettings(engine="hf", device=args.device, dtype="bfloat16" if cuda else "float32", hf_batch_size=args.regen_batch,
                                 hf_batch_tokens=args.regen_batch * 1536, chunk_size=args.regen_chunk, max_new_tokens=args.regen_max_new_tokens,
@@ -128,16 +131,16 @@ def main() -> None:
     ds = DataSettings(max_length=1024, held_out=0.02, rows=args.rows, limit=args.train_conversations if args.split else None)
     m = timed("data", prepare_data, [src], args.target, w / "data", ds)
     if args.fit_disk:
-        free = shutil.disk_usage(w).free - args.disk_margin_gb * 1e9
+        free = free_bytes(w) - args.disk_margin_gb * 1e9
         tokens = sum(v["tokens"] for v in m["splits"].values())
-        res["disk"] = {"free_bytes": shutil.disk_usage(w).free, "tokens_all": tokens, "bytes_needed_all": tokens * quality.BPT}
+        res["disk"] = {"free_bytes": free_bytes(w), "tokens_all": tokens, "bytes_needed_all": tokens * quality.BPT}
         print(f"[quality-gpu] all {n_train:,} conversations: {tokens:,} tokens x {quality.BPT} B = "
               f"{tokens * quality.BPT / 1e9:.1f} GB; {free / 1e9:.1f} GB usable here", flush=True)
         if tokens * quality.BPT > free:
             from nestling.errors import NestlingError
 
             try:  # the capture stage's own disk check must refuse the whole set before loading weights
-                if tokens * quality.BPT <= shutil.disk_usage(w).free:
+                if tokens * quality.BPT <= free_bytes(w):
                     raise NestlingError("(the whole set fits the free disk; not asking capture)")
                 capture(w / "data", args.target, w / "capture-all", CaptureSettings(device=args.device))
                 res["disk"]["capture_refusal"] = None

@@ -32,7 +32,8 @@ SHAPES = {"llama8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_
 
 
 def sharegpt_run(a) -> dict:
-    from nestling.regenerate import RegenerateSettings, regenerate
+    from nestling.regenerate.run import regenerate
+    from nestling.regenerate.settings import RegenerateSettings
 
     if a.target is None:
         from nestling.assets import smollm2_dir

@@ -75,7 +75,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
     from nestling.assets import smollm2_dir
-    from nestling.regenerate import RegenerateSettings, regenerate
+    from nestling.regenerate.run import regenerate
+    from nestling.regenerate.settings import RegenerateSettings
 
     target = Path(args.target) if args.target else smollm2_dir()
     work = Path(tempfile.mkdtemp(prefix="regen-bench-"))

@@ -106,7 +106,8 @@ def test_verify_passes_good_fp8_store_and_catches_bad_scales_and_nans(stores, tm
 
 
 def test_train_runs_from_fp8_store(stores, tmp_path):
-    from nestling.train import TrainSettings, train
+    from nestling.train.loop import train
+    from nestling.train.settings import TrainSettings
 
     _, _, _, fp8 = stores
     s = TrainSettings(steps=3, batch_tokens=64, draft_vocab_size=100, ttt_steps=2, lr=3e-3, eval_batches=1,

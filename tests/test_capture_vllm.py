@@ -180,7 +180,8 @@ def test_connector_final_norm_matches_transformers(dtype):
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from nestling.capture.vllm_connector import rms_norm
+    from nestling.capture.vllm_connector import apply_final_norm
+    from nestling.draft.model import rms_norm
 
     torch.manual_seed(0)
     x = (torch.randn(7, 64) * 3).to(dtype)
@@ -188,5 +189,6 @@ def test_connector_final_norm_matches_transformers(dtype):
     with torch.no_grad():
         llama.weight.normal_(1.0, 0.2)
         gemma.weight.normal_(0.0, 0.2)
-        assert torch.equal(rms_norm(x, llama.weight.float(), 1e-5, False), llama(x))
-        assert torch.equal(rms_norm(x, gemma.weight.float(), 1e-6, True), gemma(x))
+        assert torch.equal(apply_final_norm(x, llama.weight.float(), 1e-5, False), llama(x))
+        assert torch.equal(apply_final_norm(x, gemma.weight.float(), 1e-6, True), gemma(x))
+        assert torch.equal(rms_norm(x, llama.weight, 1e-5), llama(x))  # the draft's norm is transformers' too

@@ -10,7 +10,8 @@ import torch
 from eagle_helpers import make_train_dir, new_draft
 from nestling.errors import NestlingError
 from nestling.evaluate.specdec import SpecDecoder, load_draft, target_generate, verify_sampled
-from nestling.export import ExportSettings, export
+from nestling.export.run import export
+from nestling.export.settings import ExportSettings
 from nestling.targets.load import load_model
 
 AUX = [1, 3, 4]
@@ -164,7 +165,8 @@ def test_sampling_matches_target_distribution(model, draft_dir):
 
 
 def test_eval_refuses_draft_of_another_target(tiny_target, draft_dir, tmp_path):
-    from nestling.evaluate import EvalSettings, evaluate
+    from nestling.evaluate.run import evaluate
+    from nestling.evaluate.settings import EvalSettings
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
@@ -173,7 +175,8 @@ def test_eval_refuses_draft_of_another_target(tiny_target, draft_dir, tmp_path):
 
 
 def test_eval_reference_report(tiny, draft_dir, tmp_path):
-    from nestling.evaluate import EvalSettings, evaluate
+    from nestling.evaluate.run import evaluate
+    from nestling.evaluate.settings import EvalSettings
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"messages": [{"role": "user", "content": "Say hello."}]}\n{"prompt": "Count to five."}\n')

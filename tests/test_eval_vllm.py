@@ -14,9 +14,11 @@ from __future__ import annotations
 import pytest
 
 from eagle_helpers import PROMPTS, fit_step0, make_train_dir, render
-from nestling.evaluate.run import EvalSettings, run_reference
+from nestling.evaluate.run import run_reference
+from nestling.evaluate.settings import EvalSettings
 from nestling.evaluate.vllm_engine import run_vllm
-from nestling.export import ExportSettings, export
+from nestling.export.run import export
+from nestling.export.settings import ExportSettings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from eagle_helpers import make_train_dir, new_draft
 from nestling.errors import NestlingError
-from nestling.export import ExportSettings, export
+from nestling.export.run import export
+from nestling.export.settings import ExportSettings
 from nestling.export import contract
 
 AUX = [1, 3, 4]

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from eagle_helpers import PROMPTS, fit_step0, make_train_dir, new_draft, render
-from nestling.export import ExportSettings, export
+from nestling.export.run import export
+from nestling.export.settings import ExportSettings
 
 pytestmark = pytest.mark.vllm
 

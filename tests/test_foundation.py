@@ -11,7 +11,8 @@ from nestling.config import from_dict, load_settings, parse_overrides
 from nestling.errors import NestlingError
 from nestling.manifest import atomic_write_json, read_manifest, write_manifest
 from nestling.progress import Progress
-from nestling.targets.layers import default_aux_layers, default_capture_layers, validate_layer_ids
+from nestling.targets.layers import (default_aux_layers, default_capture_layers, sglang_layer_ids, validate_layer_ids,
+                                     vllm_layer_ids)
 
 
 @dataclass
@@ -88,6 +89,14 @@ def test_layer_ids():
         validate_layer_ids([1, 2, 3], 6)
 
 
+def test_engine_layer_ids():
+    """docs/architecture.md's table for SmolLM2 (L = 30): vLLM spells nestling's ids the same, SGLang one lower."""
+    assert vllm_layer_ids([2, 15, 27]) == vllm_layer_ids([2, 15, 27, 30], 30)[:3] == [2, 15, 27]
+    assert sglang_layer_ids([2, 15, 27]) == [1, 14, 26]
+    with pytest.raises(NestlingError, match=r"layer ids \[31\] are outside 0..30"):
+        vllm_layer_ids([2, 31], 30)
+
+
 def test_public_api_names_are_the_stage_functions():
     """`from nestling import capture` runs the stage, before and after its subpackage is imported,
     and `import nestling.capture.run` still works (the packages are callable, nestling/stage.py).
@@ -101,8 +110,8 @@ import nestling
 from nestling.errors import NestlingError
 from nestling.stage import resolve
 expected = {"prepare_data": "nestling.data.prepare", "capture": "nestling.capture.run",
-            "train": "nestling.train.loop", "export": "nestling.export.eagle3",
-            "evaluate": "nestling.evaluate.run", "regenerate": "nestling.regenerate.run", "run": "nestling.pipeline"}
+            "train": "nestling.train.loop", "export": "nestling.export.run",
+            "evaluate": "nestling.evaluate.run", "regenerate": "nestling.regenerate.run", "run": "nestling.pipeline.run"}
 for sub in ("nestling.capture.run", "nestling.train.data", "nestling.export.contract", "nestling.regenerate.chat",
             "nestling.evaluate.run", "nestling.data.prepare", "nestling.pipeline"):
     importlib.import_module(sub)

@@ -107,7 +107,8 @@ def capture_dir(data, target, tmp_path_factory) -> Path:
 
 
 def _train(src: Path, out: Path, **kw) -> Path:
-    from nestling.train import TrainSettings, train
+    from nestling.train.loop import train
+    from nestling.train.settings import TrainSettings
 
     with threads(1):
         train(src, out, TrainSettings(steps=STEPS, device="cpu", **RUN, **kw))
@@ -153,7 +154,8 @@ def _decode(train_dir: Path, data: Path, target: Path, tmp: Path) -> dict:
     moves with what the decoder feeds the draft (positions, hidden states, cache) even where the
     counts of a small draft do not."""
     from nestling.evaluate.specdec import SpecDecoder, load_draft
-    from nestling.export import ExportSettings, export
+    from nestling.export.run import export
+    from nestling.export.settings import ExportSettings
     from nestling.targets.load import load_model
 
     model = load_model(target, dtype="float32")

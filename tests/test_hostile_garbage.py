@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 from eagle_helpers import make_train_dir, new_draft, write_prompts_jsonl
 from nestling.cli import main
 from nestling.errors import NestlingError
-from nestling.export import ExportSettings, export
+from nestling.export.run import export
+from nestling.export.settings import ExportSettings
 
 TRAIN = ["batch_tokens=64", "draft_vocab_size=100", "ttt_steps=2", "lr=3e-3", "progress_interval=100",
          "eval_every=0", "log_every=1"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nestling.demo import demo, demo_config_path, summary
+from nestling.pipeline.demo import demo, demo_config_path, summary
 
 SMALL = ["data.limit=50", "data.max_length=128", "data.held_out=0.1", "train.steps=4", "train.batch_tokens=1024",
          "train.eval_batches=1", "train.checkpoint_every=2", "eval.max_prompts=1", "eval.max_new_tokens=16"]
@@ -34,7 +34,8 @@ def test_summary_says_what_the_figure_is_measured_against(tmp_path):
 
 def test_demo_config_holds_only_real_settings(tmp_path):
     """Every key of the shipped config is a field of the real stages' settings (no typo hides)."""
-    from nestling.pipeline import STAGES, load_run_config
+    from nestling.pipeline.settings import load_run_config
+    from nestling.pipeline.stages import STAGES
 
     cfg = load_run_config(demo_config_path(), STAGES, [f"run_dir={tmp_path}"])
     assert cfg.settings["regenerate"] is None

@@ -16,7 +16,9 @@ import pytest
 
 from nestling.errors import NestlingError
 from nestling.manifest import write_manifest
-from nestling.pipeline import Stage, load_run_config, run
+from nestling.pipeline.run import run
+from nestling.pipeline.settings import load_run_config
+from nestling.pipeline.stages import Stage
 from nestling.pipeline.state import read_state, state_path, write_state
 from nestling.pipeline.status import format_status, stage_rows
 from nestling.progress import Progress

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from nestling.pipeline import run
+from nestling.pipeline.run import run
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from nestling.errors import NestlingError
-from nestling.regenerate import RegenerateSettings, regenerate
+from nestling.regenerate.run import regenerate
+from nestling.regenerate.settings import RegenerateSettings
 from nestling.regenerate.chat import plan, postprocess
 from nestling.regenerate.readers import read_records
 

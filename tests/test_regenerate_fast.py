@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import nestling
-from nestling.regenerate import RegenerateSettings, regenerate
+from nestling.regenerate.run import regenerate
+from nestling.regenerate.settings import RegenerateSettings
 from nestling.regenerate.engine import Request
 from nestling.regenerate.hf_engine import HFEngine, fast_groups, fast_limits
 

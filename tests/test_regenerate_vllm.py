@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 import nestling
-from nestling.regenerate import RegenerateSettings, regenerate
+from nestling.regenerate.run import regenerate
+from nestling.regenerate.settings import RegenerateSettings
 from nestling.regenerate.chat import plan, render_prompt
 from nestling.regenerate.readers import read_records
 

@@ -170,9 +170,11 @@ def test_online_features_run_the_quantized_target(llama, tmp_path):
 def test_reference_evaluator_runs_the_quantized_target(llama, tmp_path):
     """eval (reference decoder): greedy output is the dequantized target's own, draft or no draft."""
     from eagle_helpers import make_train_dir, new_draft
-    from nestling.evaluate.run import EvalSettings, run_reference
+    from nestling.evaluate.run import run_reference
+    from nestling.evaluate.settings import EvalSettings
     from nestling.evaluate.specdec import target_generate
-    from nestling.export import ExportSettings, export
+    from nestling.export.run import export
+    from nestling.export.settings import ExportSettings
 
     w4, _, deq_model = llama
     draft_dir = export(make_train_dir(new_draft(w4, [1, 3, 4], draft_vocab_size=64), tmp_path / "train"),
@@ -184,7 +186,7 @@ def test_reference_evaluator_runs_the_quantized_target(llama, tmp_path):
 
 def test_hf_regeneration_runs_the_quantized_target(llama):
     """regenerate (hf engine, fast decode loop): greedy answers equal `generate` on the dequantized target."""
-    from nestling.regenerate import RegenerateSettings
+    from nestling.regenerate.settings import RegenerateSettings
     from nestling.regenerate.engine import Request
     from nestling.regenerate.hf_engine import HFEngine
 

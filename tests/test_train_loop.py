@@ -12,7 +12,8 @@ from capture_fixture import cached_capture, make_capture, one_thread, threads  #
 from safetensors.torch import load_file, save_file
 
 from nestling.errors import NestlingError
-from nestling.train import TrainSettings, train
+from nestling.train.loop import train
+from nestling.train.settings import TrainSettings
 
 TINY = dict(batch_tokens=64, draft_vocab_size=100, ttt_steps=3, lr=3e-3, progress_interval=100.0)
 
@@ -125,7 +126,7 @@ def test_wider_draft_mlp_trains_exports_and_decodes(capture, tiny_target, tmp_pa
     """`intermediate_size` widens the draft layer's MLP (small targets: the draft's capacity); the
     exported config says so and the reference decoder loads and runs it."""
     from nestling.evaluate.specdec import load_draft
-    from nestling.export import export
+    from nestling.export.run import export
 
     train(capture, tmp_path / "w", TrainSettings(steps=2, intermediate_size=320, eval_batches=1, **TINY))
     out = export(tmp_path / "w", tmp_path / "d")
@@ -142,7 +143,7 @@ def test_two_layer_draft_trains_exports_and_decodes(capture, tiny_target, tmp_pa
     """`draft_layers` stacks plain Llama layers after the first: it trains, the export writes vLLM's
     `layers.N.*` names and `num_hidden_layers`, and the reference decoder loads and runs it."""
     from nestling.evaluate.specdec import SpecDecoder, load_draft, target_generate
-    from nestling.export import export
+    from nestling.export.run import export
     from nestling.targets.load import load_model
 
     m = train(capture, tmp_path / "w", TrainSettings(steps=2, draft_layers=2, eval_batches=1, **TINY))

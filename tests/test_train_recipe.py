@@ -12,7 +12,8 @@ from capture_fixture import cached_capture, one_thread  # noqa: F401 (autouse fi
 from safetensors.torch import load_file
 
 from nestling.errors import NestlingError
-from nestling.train import TrainSettings, train
+from nestling.train.loop import train
+from nestling.train.settings import TrainSettings
 
 TINY = dict(batch_tokens=64, draft_vocab_size=100, ttt_steps=3, lr=3e-3, progress_interval=100.0, log_every=1)
 
@@ -38,7 +39,7 @@ def _initial_draft(capture, s: TrainSettings):
 
 def test_frozen_lm_head_stays_at_the_target_rows_and_is_exported(capture, tmp_path, capsys):
     from nestling.draft.vocab import draft_ids_to_target
-    from nestling.export import export
+    from nestling.export.run import export
 
     s = TrainSettings(steps=4, freeze_lm_head=True, ttt_decay=1.0, eval_batches=1, **TINY)
     m = train(capture, tmp_path / "t", s)

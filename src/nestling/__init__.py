@@ -23,7 +23,7 @@ _API = {
     "export": "nestling.export",
     "evaluate": "nestling.evaluate",
     "regenerate": "nestling.regenerate",
-    "run": "nestling.pipeline:run",
+    "run": "nestling.pipeline.run:run",
 }
 
 __all__ = sorted(_API) + ["__version__"]

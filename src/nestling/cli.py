@@ -26,7 +26,7 @@ STAGE_CLIS = [
     "nestling.evaluate.cli",
     "nestling.regenerate.cli",
     "nestling.plan.cli",
-    "nestling.pipeline_cli",
+    "nestling.pipeline.cli",
 ]
 
 
@@ -69,13 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the full traceback of an error (for a bug report) instead of one message")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in STAGE_CLIS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:  # stage not built yet
-                continue
-            raise
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 

@@ -29,7 +29,7 @@ from nestling.manifest import MANIFEST, atomic_write_json
 MARKER = ".nestling-stage.json"
 LOCK = ".lock"
 Inputs = Union[Mapping[str, "str | Path | None"], Iterable[tuple[str, "str | Path | None"]]]
-RUN_FILE = "run.json"  # a `nestling run` folder is recognised by it (see pipeline/runner.py)
+RUN_FILE = "run.json"  # a `nestling run` folder is recognised by it (see pipeline/run.py)
 
 # What each stage writes into its folder (glob patterns relative to it). Only these names are ever
 # deleted, and only in a folder that carries the stage's marker or manifest. Every stage also owns
@@ -206,3 +206,11 @@ def _rmdir_if_empty(folder: Path) -> None:
         folder.rmdir()
     except OSError:  # not empty: what is left is not ours
         pass
+
+
+def free_bytes(path: str | Path) -> int:
+    """Free bytes on the disk that holds `path`, or would hold it: its nearest existing parent."""
+    p = Path(path).absolute()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free

@@ -1,7 +1,7 @@
 """Stage packages that are also their stage's function: `nestling.capture(...)` runs capture.
 
-`nestling.capture`, `.train`, `.export` and `.regenerate` are subpackages *and* public API
-functions. Python binds a subpackage to its parent's attribute when it is imported, so a plain
+`nestling.capture`, `.train`, `.export`, `.evaluate` and `.regenerate` are subpackages *and* public
+API functions. Python binds a subpackage to its parent's attribute when it is imported, so a plain
 function of the same name would be replaced (or, bound eagerly, would break `import
 nestling.capture.run`). Making the package itself callable keeps both meanings.
 """

@@ -7,7 +7,6 @@ is what the store writes and what an engine without padding (vLLM) produces natu
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 
 from nestling.capture.settings import CaptureSettings
 from nestling.errors import NestlingError
+from nestling.stage import resolve
 
 # backend name -> "module:class"; imported lazily so that a missing engine only hurts its users.
 BACKENDS = {"hf": "nestling.capture.hf:HFBackend", "vllm": "nestling.capture.vllm:VLLMBackend"}
@@ -42,11 +42,4 @@ class Backend(ABC):
 def make_backend(name: str, target: Path, layer_ids: list[int], settings: CaptureSettings) -> Backend:
     if name not in BACKENDS:
         raise NestlingError(f"unknown capture backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    module, cls = BACKENDS[name].split(":")
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name == module:
-            raise NestlingError(f"capture backend {name!r} is not available in this nestling build") from None
-        raise
-    return getattr(mod, cls)(target, layer_ids, settings)
+    return resolve(BACKENDS[name])(target, layer_ids, settings)

@@ -7,7 +7,6 @@ shards (a pure function of inputs and settings), skip those already complete, an
 
 from __future__ import annotations
 
-import shutil
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -124,13 +123,6 @@ def _load_data(data_dir: Path, tok_fp: str, vocab_size: int, max_pos: int | None
     return manifest, out
 
 
-def _free_bytes(path: Path) -> int:
-    p = Path(path)
-    while not p.exists():
-        p = p.parent
-    return shutil.disk_usage(p).free
-
-
 def capture(data_dir: str | Path, target: str | Path, out: str | Path, settings: CaptureSettings | None = None) -> dict:
     """Capture every split of `data_dir` into `out`; returns the manifest. Resumes an interrupted run."""
     settings = resolve(settings or CaptureSettings())
@@ -184,7 +176,7 @@ def _capture(data_dir: Path, target_dir: Path, out: Path, settings: CaptureSetti
 
     n_tok = sum(len(s.input_ids) for ss in splits.values() for s in ss)
     todo_tok = sum(p.tokens for ps in todo.values() for p in ps)
-    need, free = todo_tok * bpt, _free_bytes(out)
+    need, free = todo_tok * bpt, outdir.free_bytes(out)
     log(f"[capture] layers {layer_ids} of {L}, {settings.dtype}, hidden {hidden_size}: {format_bytes(bpt)}/token; "
         f"{n_tok:,} tokens in {', '.join(f'{k} {len(v)}' for k, v in splits.items())} samples = {format_bytes(n_tok * bpt)}; "
         f"to write now {format_bytes(need)} ({todo_tok:,} tokens), free on {out}: {format_bytes(free)}")

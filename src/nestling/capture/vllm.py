@@ -6,10 +6,11 @@ writes them straight into the shard being filled. We never touch vLLM's schedule
 classes: the engine is `vllm.LLM`, requests are `TokensPrompt` + `SamplingParams`, and each request
 carries its destination (shard file and byte offset) in `SamplingParams.extra_args["kv_transfer_params"]`.
 
-Layer ids: vLLM's aux id k is HF `hidden_states[k]` for 0 < k < L (so nestling's ids pass unchanged),
-but id L is the last layer's output *before* the final norm. The connector applies the target's final
-norm (`model.norm.weight`, read here) to that last id, so the shard holds post-norm states like the hf
-backend (`final_state: "post_norm"`). The parity test against the hf backend pins this down.
+Layer ids (`targets.layers.vllm_layer_ids`): vLLM's aux id k is HF `hidden_states[k]` for 0 < k < L
+(so nestling's ids pass unchanged), but id L is the last layer's output *before* the final norm. The
+connector applies the target's final norm (`model.norm.weight`, read here) to that last id, so the
+shard holds post-norm states like the hf backend (`final_state: "post_norm"`). The parity test
+against the hf backend pins this down.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from nestling.capture.backend import Backend
 from nestling.capture.settings import CaptureSettings
 from nestling.errors import NestlingError
+from nestling.targets.layers import vllm_layer_ids
 
 # Versions this backend was tested against ([low, high)); docs/capture-vllm.md says the same.
 TESTED_VLLM = ("0.32.0", "0.33.0")
@@ -83,15 +85,6 @@ def check_target(config: dict) -> None:
         raise NestlingError(f"the vllm capture backend handles decoder-only targets, not {kind}; {HF_HINT}.")
 
 
-def vllm_layer_ids(layer_ids: list[int], n_layers: int) -> list[int]:
-    """nestling ids -> vLLM's `eagle_aux_hidden_state_layer_ids`: the same numbers (see module doc);
-    only the meaning of id L differs, and the connector's final norm makes up for it."""
-    bad = [i for i in layer_ids if not 0 <= i <= n_layers]
-    if bad:
-        raise NestlingError(f"layer ids {bad} are outside 0..{n_layers} for this {n_layers}-layer target")
-    return list(layer_ids)
-
-
 def final_norm(target: Path, config: dict) -> dict:
     """The target's final norm as the connector applies it (weight as a list: it travels in JSON)."""
     from nestling.targets.load import read_tensors
@@ -133,7 +126,7 @@ class VLLMBackend(Backend):
         text = config.get("text_config") or config
         self.n_layers = int(text["num_hidden_layers"])
         self.layer_ids = list(layer_ids)
-        vllm_layer_ids(self.layer_ids, self.n_layers)
+        vllm_layer_ids(self.layer_ids, self.n_layers)  # refuses ids the target does not have
         self.hidden_size = int(text["hidden_size"])
         self.dtype = getattr(torch, settings.dtype)
         self.device = torch.device("cpu")  # rows arrive in host files, never as device tensors
@@ -277,7 +270,7 @@ class _Engine:
             speculative_config={
                 "method": "extract_hidden_states",
                 "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": vllm_layer_ids(layer_ids)}},
             },
             kv_transfer_config={
                 "kv_connector": CONNECTOR,

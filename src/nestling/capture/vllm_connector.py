@@ -36,6 +36,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from nestling.draft.model import rms_norm
+
 # Keys of `SamplingParams.extra_args["kv_transfer_params"]` that address one sample's rows.
 PATH, OFFSET, SAMPLE = "nestling_path", "nestling_offset", "nestling_sample"
 
@@ -57,13 +59,11 @@ class NestlingConnectorMetadata(KVConnectorMetadata):
     saves: list[Save] = field(default_factory=list)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool) -> torch.Tensor:
-    """The target's final RMSNorm, computed the way transformers does (fp32 statistics, cast back)."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if plus_one:  # Gemma: (1 + w) * x_normed, all in fp32
-        return (y * (1.0 + weight.float())).to(x.dtype)
-    return weight.to(x.dtype) * y.to(x.dtype)  # Llama / Qwen / DeepSeek: cast, then scale
+def apply_final_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool) -> torch.Tensor:
+    """The target's final RMSNorm on rows in the model's dtype, from its fp32 weight (it travels as JSON):
+    Llama / Qwen / DeepSeek scale by the weight in the rows' dtype, as the loaded model holds it; Gemma
+    scales by 1 + weight in fp32."""
+    return rms_norm(x, weight.float() if plus_one else weight.to(x.dtype), eps, plus_one)
 
 
 class NestlingHiddenStatesConnector(KVConnectorBase_V1):
@@ -177,7 +177,7 @@ class NestlingHiddenStatesConnector(KVConnectorBase_V1):
             if self._norm is not None:
                 w, eps, plus_one = self._norm
                 rows = rows.clone()
-                rows[:, -1] = rms_norm(rows[:, -1], w.to(rows.device), eps, plus_one)
+                rows[:, -1] = apply_final_norm(rows[:, -1], w.to(rows.device), eps, plus_one)
             data = rows.to(self._out_dtype).cpu().contiguous().view(torch.uint8).numpy()
             self._pwrite(s.path, s.offset, memoryview(data).cast("B"))
 

@@ -126,6 +126,20 @@ class DraftConfig:
         )
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False) -> torch.Tensor:
+    """RMSNorm computed the way transformers does: statistics in fp32, then
+    - Llama / Qwen / DeepSeek (`plus_one` False): `weight * normed.to(x.dtype)`, the weight as given (an fp32
+      master weight under autocast gives an fp32 result, as transformers' LlamaRMSNorm does);
+    - Gemma (`plus_one`): `(1 + weight) * normed`, all in fp32, cast back to x's dtype.
+    The one implementation: the draft's norms and the vllm capture connector's final norm use it (this
+    module imports only torch, so vLLM's worker processes can load it)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if plus_one:
+        return (y * (1.0 + weight.float())).to(x.dtype)
+    return weight * y.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -133,10 +147,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):

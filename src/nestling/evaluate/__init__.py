@@ -1,10 +1,6 @@
-"""nestling eval stage: acceptance length by a reference decoder and the real vLLM engine
-(`nestling.evaluate` is `run.evaluate`)."""
+"""The eval stage: acceptance length by a reference decoder and the real vLLM engine. Callable:
+`nestling.evaluate(...)` runs `run.evaluate`."""
 
-from nestling.evaluate.run import EvalSettings, evaluate
-
-__all__ = ["EvalSettings", "evaluate"]
-
-from nestling.stage import make_callable  # noqa: E402
+from nestling.stage import make_callable
 
 make_callable(__name__, "nestling.evaluate.run:evaluate")

@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from nestling.config import load_settings
-    from nestling.evaluate.run import EvalSettings, evaluate
+    from nestling.evaluate.run import evaluate
+    from nestling.evaluate.settings import EvalSettings
 
     s = load_settings(EvalSettings, args.config, args.overrides, k=args.k, engine=args.engine,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,

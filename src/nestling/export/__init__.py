@@ -1,9 +1,5 @@
-"""nestling export stage: the draft in the engines' layouts (`nestling.export` is `eagle3.export`)."""
+"""The export stage: the draft in the engines' layouts. Callable: `nestling.export(...)` runs `run.export`."""
 
-from nestling.export.eagle3 import ExportSettings, export
+from nestling.stage import make_callable
 
-__all__ = ["ExportSettings", "export"]
-
-from nestling.stage import make_callable  # noqa: E402
-
-make_callable(__name__, "nestling.export.eagle3:export")
+make_callable(__name__, "nestling.export.run:export")

@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from nestling.config import load_settings
-    from nestling.export.eagle3 import ExportSettings, export
+    from nestling.export.run import export
+    from nestling.export.settings import ExportSettings
 
     settings = load_settings(ExportSettings, args.config, args.overrides, format=args.format, dtype=args.dtype,
                              num_speculative_tokens=args.num_speculative_tokens, target=args.target)

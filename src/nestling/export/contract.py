@@ -1,17 +1,13 @@
 """The export contract: the one place that lists what an exported draft folder holds.
 
 Engines load the folder untouched, so every name, shape and dtype here is what vLLM's
-`llama_eagle3.py` and SGLang's `llama_eagle3.py` read. Both the writer (`eagle3.py`) and the
+`llama_eagle3.py` and SGLang's `llama_eagle3.py` read. Both the writer (`run.py`) and the
 checker after writing use these functions; so do the tests that stand in for SGLang.
 
-Layer ids. nestling uses Hugging Face `hidden_states` indexing (id k = input of decoder layer k).
-- vLLM (`EagleModelMixin._maybe_add_hidden_state`): id 0 is the embedding output, id k>0 is
-  `hidden_states + residual` after layer k-1, i.e. HF `hidden_states[k]`: the same ids.
-- SGLang (`set_eagle3_layers_to_capture`): `layers_to_capture = [id + 1 ...]`, captured at the
-  *input* of that layer, so SGLang's id k is HF `hidden_states[k + 1]`: ids are one lower.
-vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` first (gpu_model_runner,
-`_get_eagle3_aux_layers_from_config`); SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids`.
-The folder therefore carries both, each in its engine's own convention.
+Layer ids. The config carries the aux ids in both engines' spellings: vLLM's top-level
+`eagle_aux_hidden_state_layer_ids` (nestling's ids) and SGLang's
+`eagle_config.eagle_aux_hidden_state_layer_ids` (one lower); the translation table is
+`nestling.targets.layers` (`vllm_layer_ids`, `sglang_layer_ids`).
 
 Vocabulary map. vLLM 0.32 (`Eagle3LlamaForCausalLM.__init__`) creates `draft_id_to_target_id` (what
 `d2t` loads into) only when `draft_vocab_size` differs from the target's vocabulary; with equal sizes
@@ -36,25 +32,12 @@ import torch
 
 from nestling.draft.model import DraftConfig
 from nestling.errors import NestlingError
+from nestling.targets.layers import sglang_layer_ids, vllm_layer_ids
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def vllm_layer_ids(aux_ids: list[int]) -> list[int]:
-    """nestling (HF hidden_states) ids -> vLLM's eagle_aux_hidden_state_layer_ids (identical)."""
-    return [int(i) for i in aux_ids]
-
-
-def sglang_layer_ids(aux_ids: list[int]) -> list[int]:
-    """nestling ids -> SGLang's ids (SGLang adds one before capturing at a layer's input)."""
-    return [int(i) - 1 for i in aux_ids]
-
-
-def nestling_ids_from_sglang(ids: list[int]) -> list[int]:
-    return [int(i) + 1 for i in ids]
 
 
 def full_vocab(c: DraftConfig) -> bool:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
 from nestling.errors import NestlingError
+from nestling.outdir import free_bytes
 from nestling.progress import format_bytes
 
 # What nestling is tested with: (supported range, version CI runs)
@@ -92,10 +92,7 @@ def check_devices() -> list[tuple[str, str, str]]:
 def check_disk(paths: list[Path]) -> list[tuple[str, str, str]]:
     out = []
     for p in paths:
-        q = p.absolute()
-        while not q.exists():
-            q = q.parent
-        free = shutil.disk_usage(q).free
+        free = free_bytes(p)
         out.append(("ok" if free >= MIN_FREE else "warn", f"disk {p}", f"{format_bytes(free)} free"))
     return out
 
@@ -122,8 +119,9 @@ def doctor(dry_run: bool = True, scratch: Path | None = None) -> int:
 def doctor_dry_run(scratch: Path | None = None) -> dict:
     """The real dry run on a tiny Llama target from the cache and the built-in conversations."""
     from nestling.assets import cache_dir, smollm2_dir
-    from nestling.pipeline import STAGES, load_run_config
     from nestling.pipeline.dryrun import dry_run
+    from nestling.pipeline.settings import load_run_config
+    from nestling.pipeline.stages import STAGES
     from nestling.targets.tiny import build_tiny_target
 
     target = build_tiny_target("llama", cache_dir() / "tiny" / "doctor-llama", tokenizer_dir=smollm2_dir())

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +18,9 @@ from typing import Any, Sequence
 
 from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, atomic_write_json
-from nestling.outdir import mark
-from nestling.pipeline.config import RunConfig
-from nestling.pipeline.runner import clear_run, enabled_stages, resolve_paths, run
+from nestling.outdir import free_bytes, mark
+from nestling.pipeline.settings import RunConfig
+from nestling.pipeline.run import clear_run, enabled_stages, resolve_paths, run_config
 from nestling.pipeline.stages import STAGES, Stage, train_mode
 from nestling.pipeline.state import read_progress, read_state
 from nestling.progress import format_bytes, format_duration, log
@@ -53,13 +52,6 @@ class Estimate:
 
 def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file()) if Path(path).exists() else 0
-
-
-def free_bytes(path: Path) -> int:
-    p = Path(path).absolute()
-    while not p.exists():
-        p = p.parent
-    return shutil.disk_usage(p).free
 
 
 def preflight(config: RunConfig, target: str) -> None:
@@ -266,7 +258,7 @@ def dry_run(config: RunConfig, *, stages: Sequence[Stage] = STAGES, scratch: Pat
             ran = [s for s in active if s.name in ("data", "capture")]
             check_disk(estimate(config, ran, {s.name: _measure(scratch, s.name) for s in ran}, real_run_dir))
 
-    run(dry_config, stages=stages, dry_run=True, header="nestling run --dry-run", after_stage=after)
+    run_config(dry_config, stages=stages, dry_run=True, header="nestling run --dry-run", after_stage=after)
     measured = {s.name: _measure(scratch, s.name) for s in active}
     ests = estimate(config, stages, measured, real_run_dir)
     table = format_estimates(ests, free, real_run_dir)

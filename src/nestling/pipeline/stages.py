@@ -8,13 +8,13 @@ Settings classes are named as "module:Class" and imported only when used (no tor
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from nestling.errors import NestlingError
+from nestling.stage import resolve
 
 
 @dataclass
@@ -46,31 +46,12 @@ class Stage:
     owns: tuple[str, ...] | None = None  # what it writes in its folder (globs); None: outdir.OWNS[name]
 
     def settings_cls(self) -> type:
-        if isinstance(self.settings, type):
-            return self.settings
-        errors = []
-        for spec in self.settings.split("|"):  # alternatives: where the stage keeps its settings
-            module, attr = spec.split(":")
-            try:
-                return getattr(importlib.import_module(module), attr)
-            except (ModuleNotFoundError, AttributeError) as e:
-                errors.append(str(e))
-        raise NestlingError(f"stage '{self.name}' is not available in this nestling build ({'; '.join(errors)})")
+        return self.settings if isinstance(self.settings, type) else resolve(self.settings)
 
 
-def _resolve(spec: str) -> Callable:
-    module, attr = spec.split(":")
-    return getattr(importlib.import_module(module), attr)
+def _call(spec: str, *args: Any, **kwargs: Any) -> Any:
+    return resolve(spec)(*args, **kwargs)
 
-
-def _call(spec: str, *args: Any) -> Any:
-    return _resolve(spec)(*args)
-
-
-def replace(settings: Any, **changes: Any) -> Any:
-    """dataclasses.replace with only the fields the settings class has (stages evolve independently)."""
-    names = {f.name for f in dataclasses.fields(settings)}
-    return dataclasses.replace(settings, **{k: v for k, v in changes.items() if k in names})
 
 
 # ---- the real stages --------------------------------------------------------------------------
@@ -79,7 +60,7 @@ def _regenerate(ctx: StageContext) -> Any:
     if len(ctx.inputs) != 1:
         raise NestlingError(f"regenerate reads one input file; the config lists {len(ctx.inputs)} "
                             "(merge them into one JSONL, or drop the regenerate: section)")
-    return _call("nestling.regenerate:regenerate", ctx.inputs[0], ctx.target, ctx.out, ctx.settings)
+    return _call("nestling.regenerate.run:regenerate", ctx.inputs[0], ctx.target, ctx.out, ctx.settings)
 
 
 def data_inputs(ctx: StageContext) -> list[str]:
@@ -105,24 +86,21 @@ def _capture(ctx: StageContext) -> Any:
 
 
 def _train(ctx: StageContext) -> Any:
-    import inspect
-
-    fn = _resolve("nestling.train.loop:train")
     # The pipeline wipes the folder when the key changed, so whatever checkpoint is there is ours.
-    kw = {"resume": True} if "resume" in inspect.signature(fn).parameters else {}
-    if getattr(ctx.settings, "online", False) is True:  # the target runs in the loop on the data stage's tokens
-        return fn(ctx.dir("data"), ctx.out, replace(ctx.settings, target=ctx.settings.target or ctx.target), **kw)
-    return fn(ctx.dir("capture"), ctx.out, ctx.settings, **kw)
+    if ctx.settings.online is True:  # the target runs in the loop on the data stage's tokens
+        return _call("nestling.train.loop:train", ctx.dir("data"), ctx.out,
+                     dataclasses.replace(ctx.settings, target=ctx.settings.target or ctx.target), resume=True)
+    return _call("nestling.train.loop:train", ctx.dir("capture"), ctx.out, ctx.settings, resume=True)
 
 
 def train_mode(config: Any, target: str) -> tuple[Any, str | None]:
     """Resolve `train.online` (auto: the rule of `nestling.train.features.choose_online`, docs/train.md)
     into true or false; online drops the capture stage. Returns the config and which mode and why."""
     tr = config.settings.get("train")
-    if tr is None or not hasattr(tr, "online") or "capture" not in config.settings:
+    if tr is None or "capture" not in config.settings:
         return config, None
     online, why = _call("nestling.train.features:choose_online", tr, Path(target))
-    settings = {**config.settings, "train": replace(tr, online=online)}
+    settings = {**config.settings, "train": dataclasses.replace(tr, online=online)}
     if online:
         settings["capture"] = None
     note = (f"{'online' if online else 'offline'} ({why})"
@@ -131,7 +109,7 @@ def train_mode(config: Any, target: str) -> tuple[Any, str | None]:
 
 
 def _export(ctx: StageContext) -> Any:
-    return _call("nestling.export.eagle3:export", ctx.dir("train"), ctx.out, ctx.settings)
+    return _call("nestling.export.run:export", ctx.dir("train"), ctx.out, ctx.settings)
 
 
 def _eval(ctx: StageContext) -> Any:
@@ -145,34 +123,34 @@ def _vllm_installed() -> bool:
 
 # Dry-run settings: two samples, one batch, one step, one short generation per engine.
 def _dry_regenerate(s: Any) -> Any:
-    return replace(s, limit=2, max_new_tokens=16, max_turns=1)
+    return dataclasses.replace(s, limit=2, max_new_tokens=16, max_turns=1)
 
 
 def _dry_data(s: Any) -> Any:
     # Both samples train; the dry eval uses built-in prompts (or the config's), so no split can be empty.
-    return replace(s, limit=2, held_out=0.0)
+    return dataclasses.replace(s, limit=2, held_out=0.0)
 
 
 def _dry_capture(s: Any) -> Any:
-    return replace(s, ignore_disk_check=True)
+    return dataclasses.replace(s, ignore_disk_check=True)
 
 
 def _dry_train(s: Any) -> Any:
-    return replace(s, steps=1, warmup_steps=0, checkpoint_every=1, eval_batches=1)
+    return dataclasses.replace(s, steps=1, warmup_steps=0, checkpoint_every=1, eval_batches=1)
 
 
 def _dry_eval(s: Any) -> Any:
     # vLLM, when installed, must load the exported draft: that is the incompatibility users hit last.
-    return replace(s, max_prompts=1, max_new_tokens=8, engine="both" if _vllm_installed() else "reference",
-                   baseline=False)
+    return dataclasses.replace(s, max_prompts=1, max_new_tokens=8,
+                               engine="both" if _vllm_installed() else "reference", baseline=False)
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("regenerate", "nestling.regenerate:RegenerateSettings|nestling.regenerate.settings:RegenerateSettings",
-          _regenerate, uses=("target", "tokenizer", "inputs"), optional=True, dry=_dry_regenerate),
+    Stage("regenerate", "nestling.regenerate.settings:RegenerateSettings", _regenerate,
+          uses=("target", "tokenizer", "inputs"), optional=True, dry=_dry_regenerate),
     Stage("data", "nestling.data.settings:DataSettings", _data, uses=("target", "tokenizer", "inputs"), dry=_dry_data),
     Stage("capture", "nestling.capture.settings:CaptureSettings", _capture, uses=("target",), dry=_dry_capture),
     Stage("train", "nestling.train.settings:TrainSettings", _train, uses=("target",), dry=_dry_train),
-    Stage("export", "nestling.export.eagle3:ExportSettings|nestling.export.settings:ExportSettings", _export, uses=("target",)),
-    Stage("eval", "nestling.evaluate.run:EvalSettings|nestling.evaluate.settings:EvalSettings", _eval, uses=("target", "prompts"), dry=_dry_eval),
+    Stage("export", "nestling.export.settings:ExportSettings", _export, uses=("target",)),
+    Stage("eval", "nestling.evaluate.settings:EvalSettings", _eval, uses=("target", "prompts"), dry=_dry_eval),
 )

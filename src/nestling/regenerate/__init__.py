@@ -1,10 +1,6 @@
-"""nestling regenerate stage: the target rewrites the assistant turns of the chat data."""
+"""The regenerate stage: the target rewrites the assistant turns of the chat data. Callable:
+`nestling.regenerate(...)` runs `run.regenerate`."""
 
-from nestling.regenerate.run import regenerate
-from nestling.regenerate.settings import RegenerateSettings
-
-__all__ = ["regenerate", "RegenerateSettings"]
-
-from nestling.stage import make_callable  # noqa: E402
+from nestling.stage import make_callable
 
 make_callable(__name__, "nestling.regenerate.run:regenerate")

@@ -1,4 +1,4 @@
-"""`nestling regenerate INPUT --target MODEL --out DIR`: thin CLI over `nestling.regenerate.regenerate`."""
+"""`nestling regenerate INPUT --target MODEL --out DIR`: thin CLI over `run.regenerate`."""
 
 from __future__ import annotations
 

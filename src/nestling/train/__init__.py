@@ -1,10 +1,5 @@
-"""nestling train stage: `nestling.train.train(capture_dir, out, settings)` (see loop.py)."""
+"""The train stage: an EAGLE-3 draft trained with TTT. Callable: `nestling.train(...)` runs `loop.train`."""
 
-from nestling.train.loop import train
-from nestling.train.settings import TrainSettings
-
-__all__ = ["train", "TrainSettings"]
-
-from nestling.stage import make_callable  # noqa: E402
+from nestling.stage import make_callable
 
 make_callable(__name__, "nestling.train.loop:train")

@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 
@@ -21,18 +19,12 @@ from nestling.draft.model import DraftConfig
 from nestling.draft.vocab import load_vocab
 from nestling.errors import NestlingError
 from nestling.export import contract
+from nestling.export.settings import ExportSettings
 from nestling.manifest import MANIFEST, hash_files, read_manifest, write_manifest
 from nestling.progress import log
+from nestling.targets.layers import sglang_layer_ids, vllm_layer_ids
 
 BUILD_PREFIX = ".export-build-"  # outdir.OWNS["export"] names it: a crashed build is removed by the next export
-
-@dataclass
-class ExportSettings:
-    format: Literal["eagle3", "speculators"] = "eagle3"
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # float weights; d2t/t2d keep theirs
-    num_speculative_tokens: int = 3  # written into the speculators layout (vllm serve DRAFT)
-    target: str | None = None  # where the target is now, if it moved since training (still fingerprinted)
-    checkpoint: str | None = None  # a checkpoints/step-N folder instead of the final model.safetensors
 
 
 def check_target(train_dir: Path, manifest: dict, cfg: DraftConfig, override: str | None) -> Path:
@@ -125,11 +117,11 @@ def _export(train_dir: Path, out: Path, settings: ExportSettings, manifest: dict
         out, "export", to_dict(settings),
         inputs={"target": cfg.target_fingerprint, "train": hash_files([train_dir / "manifest.json"])},
         target=str(target), format=settings.format, aux_layer_ids=list(cfg.aux_layer_ids),
-        vllm_layer_ids=contract.vllm_layer_ids(cfg.aux_layer_ids),
-        sglang_layer_ids=contract.sglang_layer_ids(cfg.aux_layer_ids),
+        vllm_layer_ids=vllm_layer_ids(cfg.aux_layer_ids),
+        sglang_layer_ids=sglang_layer_ids(cfg.aux_layer_ids),
     )
     log(f"[export] wrote {settings.format} draft to {out} (aux layers: nestling/vLLM {cfg.aux_layer_ids}, "
-        f"SGLang {contract.sglang_layer_ids(cfg.aux_layer_ids)})")
+        f"SGLang {sglang_layer_ids(cfg.aux_layer_ids)})")
     return out
 
 

@@ -9,8 +9,10 @@ STAGE_NAMES = "regenerate, data, capture, train, export, eval"
 
 
 def _run(args: argparse.Namespace) -> int:
-    from nestling.pipeline import STAGES, load_run_config, run_config
     from nestling.pipeline.dryrun import dry_run
+    from nestling.pipeline.run import run_config
+    from nestling.pipeline.settings import load_run_config
+    from nestling.pipeline.stages import STAGES
 
     config = load_run_config(Path(args.config), STAGES, args.overrides)
     if args.dry_run:
@@ -37,7 +39,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from nestling.demo import demo
+    from nestling.pipeline.demo import demo
 
     demo(out=args.out, overrides=args.overrides, dry_run=args.dry_run)
     return 0

@@ -23,7 +23,7 @@ from nestling.config import to_dict
 from nestling.errors import NestlingError
 from nestling.manifest import FORMAT_VERSION, atomic_write_json, hash_bytes, hash_files, hash_json
 from nestling.outdir import RUN_FILE, check_apart, check_ours, lock, mark, owner, remove_owned
-from nestling.pipeline.config import RunConfig, resolve_builtin
+from nestling.pipeline.settings import RunConfig, load_run_config, resolve_builtin
 from nestling.pipeline.stages import STAGES, Stage, StageContext, train_mode
 from nestling.pipeline.state import (RUN_LOG, progress_path, read_progress, read_state, state_path, tee_stderr,
                                      write_state)
@@ -120,9 +120,24 @@ def check_run_dir(run_dir: Path, stages: Sequence[Stage], target: str, inputs: l
         check_apart(run_dir / stage.name, named, flag=f"the {stage.name} folder of run_dir")
 
 
-def run(config: RunConfig, *, stages: Sequence[Stage] = STAGES, from_stage: str | None = None,
-        force: Sequence[str] = (), until: str | None = None, dry_run: bool = False,
-        header: str = "nestling run", after_stage: Callable[[StageOutcome], None] | None = None) -> list[StageOutcome]:
+def run(config: RunConfig | str | Path, overrides: Sequence[str] = (), *, stages: Sequence[Stage] = STAGES,
+        dry_run: bool = False, **kw: Any) -> list[StageOutcome] | dict:
+    """`nestling run` as a function: a RunConfig or a YAML path (+ `key=value` overrides). `dry_run`:
+    two samples through every stage, then the full run's estimate (pipeline/dryrun.py); `kw` go to
+    `run_config` (from_stage, force, until, header)."""
+    if not isinstance(config, RunConfig):
+        config = load_run_config(Path(config), stages, list(overrides))
+    if dry_run:
+        from nestling.pipeline.dryrun import dry_run as _dry
+
+        return _dry(config, stages=stages)
+    return run_config(config, stages=stages, **kw)
+
+
+def run_config(config: RunConfig, *, stages: Sequence[Stage] = STAGES, from_stage: str | None = None,
+               force: Sequence[str] = (), until: str | None = None, dry_run: bool = False,
+               header: str = "nestling run",
+               after_stage: Callable[[StageOutcome], None] | None = None) -> list[StageOutcome]:
     """Run (or continue) the pipeline of `config` in `config.run_dir`; returns what each stage did.
 
     `after_stage` is called after each stage (the dry run checks the disk as soon as capture is measured).

@@ -11,11 +11,10 @@ import json
 import shlex
 from importlib import resources
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from nestling.config import load_yaml
 from nestling.errors import NestlingError
-from nestling.manifest import MANIFEST
 
 
 def demo_config_path() -> Path:
@@ -24,37 +23,20 @@ def demo_config_path() -> Path:
 
 def demo_config(out: Path, overrides: Sequence[str] = ()):
     """The demo RunConfig with `run_dir` = out (relative to the current directory)."""
-    from nestling.pipeline import STAGES, load_run_config
+    from nestling.pipeline.settings import load_run_config
+    from nestling.pipeline.stages import STAGES
 
     data = load_yaml(demo_config_path())
     data["run_dir"] = str(Path(out).absolute())
     return load_run_config(None, STAGES, list(overrides), base_data=data)
 
 
-def find_report(eval_dir: Path) -> dict:
-    """The eval stage's JSON report (acceptance length per engine, per-position rates, plot path)."""
-    for name in ("report.json", "eval.json", MANIFEST):
-        p = Path(eval_dir) / name
-        if p.exists():
-            return json.loads(p.read_text())
-    raise NestlingError(f"{eval_dir} holds no evaluation report")
-
-
-def _acceptance(report: dict) -> dict[str, Any]:
-    """engine -> acceptance length, from either a flat or a per-engine report."""
-    out: dict[str, Any] = {}
-    engines = report.get("engines") or report.get("results") or {}
-    if isinstance(engines, dict):
-        for name, r in engines.items():
-            if isinstance(r, dict) and r.get("acceptance_length") is not None:
-                out[name] = r["acceptance_length"]
-    elif isinstance(engines, list):
-        for r in engines:
-            if isinstance(r, dict) and r.get("acceptance_length") is not None:
-                out[str(r.get("engine", len(out)))] = r["acceptance_length"]
-    if not out and report.get("acceptance_length") is not None:
-        out[str(report.get("engine", "reference"))] = report["acceptance_length"]
-    return out
+def read_report(eval_dir: Path) -> dict:
+    """The eval stage's report.json (acceptance length and per-position rates per engine)."""
+    p = Path(eval_dir) / "report.json"
+    if not p.exists():
+        raise NestlingError(f"{eval_dir} holds no evaluation report ({p.name} is missing)")
+    return json.loads(p.read_text())
 
 
 def serve_command(target: str, draft: Path, k: int) -> str:
@@ -65,17 +47,17 @@ def serve_command(target: str, draft: Path, k: int) -> str:
 
 def summary(run_dir: Path, target: str, k: int) -> str:
     """What the demo prints: acceptance length per engine, the plot, the draft, the serving command."""
-    report = find_report(run_dir / "eval")
+    report = read_report(run_dir / "eval")
     k = int(report.get("k", k))
-    acc = _acceptance(report)
-    plot = report.get("plot") or next((str(p) for p in sorted((run_dir / "eval").glob("*.png"))), None)
+    acc = {engine: r["acceptance_length"] for engine, r in report["engines"].items()}
+    plot = run_dir / "eval" / "acceptance.png"  # evaluate/report.py writes it beside report.json
     lines = [""]
     for engine, value in acc.items():
         lines.append(f"acceptance length ({engine}, K={k}): {value:.3f}")
     if acc:  # the figure alone means little to a new user: say what it is measured against
         lines.append(f"  = tokens per target forward with this draft; no speculation gives 1.000, a perfect "
                      f"draft {k + 1:.3f} (K + 1); serving speed-up is roughly this figure minus the draft's cost")
-    if plot:
+    if plot.exists():
         lines.append(f"per-position acceptance plot: {plot}")
     lines.append(f"draft folder: {run_dir / 'export'}")
     lines.append("serve the target with it in vLLM (GPU: `vllm serve TARGET --speculative-config ...`):")
@@ -84,11 +66,9 @@ def summary(run_dir: Path, target: str, k: int) -> str:
 
 
 def demo(out: Path = Path("nestling-demo"), overrides: Sequence[str] = (), dry_run: bool = False) -> str | None:
-    from nestling.pipeline import STAGES
     from nestling.pipeline.dryrun import dry_run as _dry
-    from nestling.pipeline.runner import resolve_paths, run
-
-    from nestling.pipeline.stages import _vllm_installed
+    from nestling.pipeline.run import resolve_paths, run_config
+    from nestling.pipeline.stages import STAGES, _vllm_installed
 
     # The acceptance length from vLLM too, when it is installed (the YAML stays valid without it).
     if _vllm_installed() and not any(o.startswith("eval.engine=") for o in overrides):
@@ -97,7 +77,7 @@ def demo(out: Path = Path("nestling-demo"), overrides: Sequence[str] = (), dry_r
     if dry_run:
         _dry(config, stages=STAGES)
         return None
-    run(config, stages=STAGES, header="nestling demo")
+    run_config(config, stages=STAGES, header="nestling demo")
     target, _, _ = resolve_paths(config)
     text = summary(Path(config.run_dir), target, int(config.settings["eval"].k))
     print(text, flush=True)
