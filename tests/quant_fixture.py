@@ -32,14 +32,13 @@ def w4a16_scheme():
     return QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
 
 
-def quantize_w4a16(src: Path, out: Path) -> None:
-    """Write `src` (a dense HF folder) to `out` as a W4A16 pack-quantized compressed-tensors checkpoint."""
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+def write_quantized(src: Path, out: Path, compress, scheme, fmt: str) -> None:
+    """Copy the dense folder `src` to `out` with every decoder Linear weight replaced by
+    `compress(weight)` (the compressed tensors by suffix) and the quantization_config compressed-tensors
+    writes for `scheme` in `fmt`."""
     from compressed_tensors.quantization import QuantizationConfig
-    from compressed_tensors.quantization.utils import calculate_qparams
     from safetensors.torch import load_file, save_file
 
-    scheme = w4a16_scheme()
     shutil.copytree(src, out, dirs_exist_ok=True)
     for f in sorted(Path(out).glob("*.safetensors")):
         packed = {}
@@ -47,18 +46,29 @@ def quantize_w4a16(src: Path, out: Path) -> None:
             if not LINEAR.search(name):
                 packed[name] = w
                 continue
-            groups = w.unflatten(-1, (-1, GROUP))
-            scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
-            module = name[: -len("weight")]
-            for k, v in PackedQuantizationCompressor.compress(
-                    {"weight": w, "weight_scale": scale, "weight_zero_point": zero}, scheme).items():
-                packed[module + k] = v.contiguous()
+            for k, v in compress(w).items():
+                packed[name[: -len("weight")] + k] = v.contiguous()
         save_file(packed, str(f), metadata={"format": "pt"})
-    qcfg = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format="pack-quantized",
+    qcfg = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format=fmt,
                               quantization_status="compressed")
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "compressed-tensors", **qcfg.model_dump(exclude={"quant_method"})}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def quantize_w4a16(src: Path, out: Path) -> None:
+    """Write `src` (a dense HF folder) to `out` as a W4A16 pack-quantized compressed-tensors checkpoint."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    scheme = w4a16_scheme()
+
+    def compress(w: torch.Tensor) -> dict:
+        groups = w.unflatten(-1, (-1, GROUP))
+        scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+        return PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero}, scheme)
+
+    write_quantized(src, out, compress, scheme, "pack-quantized")
 
 
 def dequantize_folder(src: Path, out: Path) -> None:
@@ -86,30 +96,19 @@ def quantize_w8a8(src: Path, out: Path, preset: str) -> None:
     """`src` as a W8A8 checkpoint: "FP8_DYNAMIC" (float-quantized: FP8 weights with a scale per output
     channel, activations FP8 per token at run time) or "W8A8" (int-quantized: the same in int8)."""
     from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor, IntQuantizationCompressor
-    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization import preset_name_to_scheme
     from compressed_tensors.quantization.utils import calculate_qparams
-    from safetensors.torch import load_file, save_file
 
     fmt, compressor = {"FP8_DYNAMIC": ("float-quantized", FloatQuantizationCompressor),
                        "W8A8": ("int-quantized", IntQuantizationCompressor)}[preset]
     scheme = preset_name_to_scheme(preset, ["Linear"])
     scheme.format = fmt
-    shutil.copytree(src, out, dirs_exist_ok=True)
-    for f in sorted(Path(out).glob("*.safetensors")):
-        packed = {}
-        for name, w in load_file(str(f)).items():
-            if not LINEAR.search(name):
-                packed[name] = w
-                continue
-            scale, zero = calculate_qparams(w.amin(-1, keepdim=True), w.amax(-1, keepdim=True), scheme.weights)
-            for k, v in compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero}, scheme).items():
-                packed[name[: -len("weight")] + k] = v.contiguous()
-        save_file(packed, str(f), metadata={"format": "pt"})
-    qcfg = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format=fmt,
-                              quantization_status="compressed")
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "compressed-tensors", **qcfg.model_dump(exclude={"quant_method"})}
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+    def compress(w: torch.Tensor) -> dict:
+        scale, zero = calculate_qparams(w.amin(-1, keepdim=True), w.amax(-1, keepdim=True), scheme.weights)
+        return compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero}, scheme)
+
+    write_quantized(src, out, compress, scheme, fmt)
 
 
 def quantized_target(dense: Path, kind: str = "w4a16") -> Path:
