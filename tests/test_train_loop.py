@@ -238,3 +238,16 @@ def test_gpu_code_path_on_cpu_bf16_flex_padded(capture, tmp_path):
     assert m["final_eval"]["tokens"] > 0 and m["final_train"]["loss"] > 0
     w = load_file(str(tmp_path / "o" / "model.safetensors"))
     assert w["fc.weight"].dtype == torch.float32  # fp32 master weights
+
+
+def test_a_capture_of_the_pre_norm_final_state_is_refused(capture, tmp_path):
+    """The teacher reads the target's output, so the final state must be post-norm; the pre-norm
+    path is gone and such a store is refused before anything trains."""
+    cap = tmp_path / "capture"
+    shutil.copytree(capture, cap)
+    m = json.loads((cap / "manifest.json").read_text())
+    m["final_state"] = "pre_norm"
+    (cap / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(NestlingError, match="post-norm final state"):
+        train(cap, tmp_path / "train", TrainSettings(steps=1, **TINY))
+    assert not (tmp_path / "train" / "manifest.json").exists()

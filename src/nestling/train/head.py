@@ -1,6 +1,6 @@
-"""The three target tensors the trainer needs: embedding (frozen draft input), lm_head (teacher and
-draft lm_head init) and final norm (only for captures that stored the pre-norm final state).
-They are read straight from the safetensors files; the target model is never built."""
+"""The two target tensors the trainer needs: embedding (frozen draft input) and lm_head (teacher and
+draft lm_head init). They are read straight from the safetensors files; the target model is never
+built. (The final norm is not needed: every capture stores the post-norm final state.)"""
 
 from __future__ import annotations
 
@@ -18,13 +18,12 @@ from nestling.targets.load import head_tensor_names, read_tensors
 class TargetHead:
     embed: torch.Tensor  # [V, H]
     lm_head: torch.Tensor  # [V, H] (the embedding when tied)
-    norm: torch.Tensor  # [H]
 
 
 def read_head(target: Path, vocab_size: int, hidden_size: int) -> TargetHead:
     names = head_tensor_names(target)
-    t = read_tensors(target, sorted(set(names.values())))
-    head = TargetHead(t[names["embed"]], t[names["lm_head"]], t[names["norm"]])
+    t = read_tensors(target, sorted({names["embed"], names["lm_head"]}))
+    head = TargetHead(t[names["embed"]], t[names["lm_head"]])
     for what, w in (("embedding", head.embed), ("lm_head", head.lm_head)):
         if tuple(w.shape) != (vocab_size, hidden_size):
             raise NestlingError(f"target {what} has shape {tuple(w.shape)}, but the capture says vocab {vocab_size} x "

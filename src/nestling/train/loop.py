@@ -93,8 +93,9 @@ def check_inputs(capture_dir: Path, s: TrainSettings) -> Inputs:
                             f"{list(s.aux_layer_ids)}: capture again with --layers {','.join(map(str, list(s.aux_layer_ids) + layer_ids[-1:]))} "
                             "or drop aux_layer_ids")
     final_state = m.get("final_state", "post_norm")
-    if final_state not in ("post_norm", "pre_norm"):
-        raise NestlingError(f"capture final_state {final_state!r} is unknown (expected post_norm or pre_norm)")
+    if final_state != "post_norm":  # the draft's teacher reads the target's output: the post-norm state
+        raise NestlingError(f"capture {capture_dir} stores final_state {final_state!r}; nestling trains on the "
+                            "post-norm final state (what nestling's capture writes): capture again")
     recorded = (m.get("inputs") or {}).get("target")
     tgt = s.target or m.get("target")
     if not tgt:
@@ -313,7 +314,6 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
     if amp != torch.float32:
         draft.embed_tokens.to(amp)  # frozen: no fp32 master copy needed
     w_draft, w_rest = (w.to(device, amp) for w in teacher_rows(head, d2t, t2d))
-    norm_w = head.norm.to(device, torch.float32) if inp.final_state == "pre_norm" else None
     del head
     backend = attention_backend(s.attention, device)
     if backend == "flex" and device.type != "cuda":
@@ -357,11 +357,7 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
             with sw or contextlib.nullcontext():
                 b = target_fwd.fill(b)
         b = b.to(device, amp)
-        final = b.final
-        if norm_w is not None:
-            f = final.float()
-            final = (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * norm_w).to(amp)
-        return b, teacher(final, w_draft, w_rest, s.teacher_chunk)
+        return b, teacher(b.final, w_draft, w_rest, s.teacher_chunk)
 
     def autocast():
         return torch.autocast(device.type, dtype=amp) if amp != torch.float32 else contextlib.nullcontext()
