@@ -30,7 +30,7 @@ from nestling.train.data import Prefetcher, Stream, collate, read_index
 from nestling.train.guard import NonFiniteGuard, check_due, describe_non_finite
 from nestling.train.head import read_head, teacher_rows
 from nestling.train.loss import simulated_acceptance_length, supervised_counts, teacher, ttt_loss
-from nestling.train.metrics import MetricsLog, plot
+from nestling.train.metrics import MetricsLog, plot, ttt_metrics
 from nestling.train.noise import add_uniform_noise, microbatch_seed
 from nestling.train.optim import build_optimizer
 from nestling.train.settings import TrainSettings, resolve_lr
@@ -378,10 +378,8 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
                     tot += torch.stack([sums, correct, count])
         model.train()
         tot = dist.all_sum(tot, d).cpu()
-        cnt = tot[2].clamp(min=1)
-        loss_j, acc_j = (tot[0] / cnt).tolist(), (tot[1] / cnt).tolist()
-        return {"loss": sum(s.ttt_decay ** j * l for j, l in enumerate(loss_j)), **{f"loss_{j}": v for j, v in enumerate(loss_j)},
-                **{f"acc_{j}": v for j, v in enumerate(acc_j)}, "sim_accept_len": simulated_acceptance_length(acc_j),
+        m = ttt_metrics(tot, s.ttt_decay)
+        return {**m, "sim_accept_len": simulated_acceptance_length([m[f"acc_{j}"] for j in range(K)]),
                 "tokens": int(tot[2, 0])}
 
     def save_checkpoint(at: int) -> None:
@@ -460,20 +458,16 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
         interval_tokens += tokens
         stop_if_non_finite(step)  # before anything is logged, evaluated or saved from this step's weights
         if step % s.log_every == 0 or step == total:
-            tot = dist.all_sum(interval, d).cpu()
-            cnt = tot[2].clamp(min=1)
-            loss_j, acc_j = (tot[0] / cnt).tolist(), (tot[1] / cnt).tolist()
             now = time.monotonic()
             rec = {"step": step, "split": "train", "lr": optimizer.last_lr(),
-                   "loss": sum(s.ttt_decay ** j * l for j, l in enumerate(loss_j)),
-                   **{f"loss_{j}": v for j, v in enumerate(loss_j)}, **{f"acc_{j}": v for j, v in enumerate(acc_j)},
+                   **ttt_metrics(dist.all_sum(interval, d).cpu(), s.ttt_decay),
                    "grad_norm": float(gnorm) if gnorm is not None else None,
                    "tokens_per_s": interval_tokens / max(now - t_last, 1e-9), **step_times()}
             metrics.write(rec)
             interval.zero_()
             interval_tokens, t_last = 0, now
             if prog:
-                prog.extra.update(step=step, loss=rec["loss"], acc_0=acc_j[0],
+                prog.extra.update(step=step, loss=rec["loss"], acc_0=rec["acc_0"],
                                   **({"target_share": round(rec["target_share"], 3)} if target_fwd else {}))
         if prog:
             prog.update(1, tokens=tokens)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from nestling.progress import log
 
 
@@ -48,6 +50,15 @@ class MetricsLog:
             self.f.close()
             if self.tb is not None:
                 self.tb.close()
+
+
+def ttt_metrics(tot: torch.Tensor, decay: float) -> dict:
+    """`loss`, `loss_j` and `acc_j` from summed [loss sums, correct, count] x K (one place for the
+    training log and the held-out evaluation, so the two always weigh steps alike)."""
+    cnt = tot[2].clamp(min=1)
+    loss_j, acc_j = (tot[0] / cnt).tolist(), (tot[1] / cnt).tolist()
+    return {"loss": sum(decay**j * v for j, v in enumerate(loss_j)), **{f"loss_{j}": v for j, v in enumerate(loss_j)},
+            **{f"acc_{j}": v for j, v in enumerate(acc_j)}}
 
 
 def plot(metrics_path: Path, png: Path) -> None:
