@@ -52,13 +52,14 @@ def main() -> None:
     args = ap.parse_args()
 
     from nestling.assets import sharegpt_json, smollm2_dir
-    from nestling.data.prepare import _match_record, prepare_data
+    from nestling.data.headstart import match_record
+    from nestling.data.prepare import prepare_data
     from nestling.data.settings import DataSettings
     from nestling.targets.load import resolve_target
 
     src = args.input or sharegpt_json()
     target = args.target or smollm2_dir()
-    record = _match_record(resolve_target(target), None)
+    record = match_record(resolve_target(target), None)
     # The record is used only by the head start, which needs a second worker process.
     cached = record is not None and record.exists() and (args.workers or os.cpu_count() or 1) > 1
     out = Path(tempfile.mkdtemp(prefix="nestling-data-bench-"))

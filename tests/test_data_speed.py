@@ -123,12 +123,12 @@ def test_verified_tokenizer_match_is_remembered(tmp_path, smollm2_dir, sharegpt_
 def test_a_damaged_or_unusable_match_record_only_costs_the_speed_up(tmp_path, smollm2_dir, sharegpt_path, monkeypatch, capsys):
     """A corrupt record, a record for another tokenizer guess, or a cache that cannot be written:
     the run verifies with AutoTokenizer as if there were no record, and the output is unchanged."""
-    from nestling.data.prepare import _match_record
+    from nestling.data.headstart import match_record
 
     kw = dict(limit=N, max_length=512, workers=2)
     monkeypatch.setenv("NESTLING_CACHE", str(tmp_path / "cache"))
     ref = prepare_data([sharegpt_path], smollm2_dir, tmp_path / "ref", DataSettings(**kw))
-    record = _match_record(smollm2_dir, None)
+    record = match_record(smollm2_dir, None)
     assert record is not None and record.exists()
     for i, damage in enumerate(["{not json", json.dumps({"tokenizer_fingerprint": "x", "format_hash": "stale"})]):
         record.write_text(damage)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nestling.errors import NestlingError
+from nestling.progress import log
 
 FORMATS = ("json", "jsonl", "parquet")
 CHAT_COLUMNS = ("conversations", "messages")
@@ -87,6 +88,25 @@ def read_input(path: Path, limit: int | None = None) -> tuple[list[RawRecord], I
         records.append(RawRecord(len(records), None, f"truncated: {path.name}: {report.stopped}"))
     report.records = len(records)
     return records, report
+
+
+def read_inputs(inputs: list[Path], limit: int | None) -> tuple[list[tuple[str, RawRecord]], list[InputReport]]:
+    """Every input's records, each with its sample id (`file:index`; a file name given twice is
+    prefixed with its position), and one report per input."""
+    records: list[tuple[str, RawRecord]] = []
+    reports: list[InputReport] = []
+    for p, name in zip(inputs, _sample_names(inputs)):
+        recs, report = read_input(p, limit)
+        if report.stopped:
+            log(f"[data] warning: {p}: reading stopped early at {report.stopped}; kept the {len(recs) - 1} complete records before it")
+        reports.append(report)
+        records += [(f"{name}:{r.index}", r) for r in recs]
+    return records, reports
+
+
+def _sample_names(inputs: list[Path]) -> list[str]:
+    names = [p.name for p in inputs]
+    return [n if names.count(n) == 1 else f"{k}-{n}" for k, n in enumerate(names)]
 
 
 def _read_json_list(path: Path, limit: int | None, report: InputReport) -> list[RawRecord]:
