@@ -98,7 +98,8 @@ def test_teacher_chunks_equal_full_head():
 
 def test_lm_head_init_target_or_random(capture):
     from nestling.train.head import read_head
-    from nestling.train.loop import build_draft, check_inputs, make_vocab
+    from nestling.train.inputs import check_inputs, make_vocab
+    from nestling.train.loop import build_draft
     from nestling.draft.model import DraftConfig
     from nestling.draft.vocab import draft_ids_to_target
 

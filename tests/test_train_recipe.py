@@ -27,7 +27,8 @@ def _initial_draft(capture, s: TrainSettings):
     """The draft as the loop builds it before step 1 (same seed, same vocabulary)."""
     from nestling.draft.model import DraftConfig
     from nestling.train.head import read_head
-    from nestling.train.loop import build_draft, check_inputs, make_vocab
+    from nestling.train.inputs import check_inputs, make_vocab
+    from nestling.train.loop import build_draft
 
     inp = check_inputs(capture, s)
     d2t, t2d = make_vocab(inp, s, capture / "nowhere", 49152)

@@ -22,7 +22,7 @@ from nestling.manifest import MANIFEST, hash_json, read_manifest
 from nestling.train.ttt import PackedBatch
 
 if TYPE_CHECKING:
-    from nestling.train.loop import Inputs
+    from nestling.train.inputs import Inputs
     from nestling.train.settings import TrainSettings
 
 
@@ -138,7 +138,7 @@ def online_inputs(data_dir: Path, s: "TrainSettings") -> "Inputs":
     from nestling.data.dataset import SPLITS, split_files
     from nestling.targets.layers import default_aux_layers, num_layers, validate_layer_ids
     from nestling.targets.load import load_config, load_tokenizer, resolve_target, target_fingerprint, tokenizer_fingerprint
-    from nestling.train.loop import Inputs
+    from nestling.train.inputs import Inputs
 
     data_dir = Path(data_dir)
     if not data_dir.exists():
@@ -162,8 +162,8 @@ def online_inputs(data_dir: Path, s: "TrainSettings") -> "Inputs":
     if not len(splits.get("train", ())):
         raise NestlingError(f"{data_dir} holds no training samples; check the data stage's output")
     index = {sp: [{"sample_id": i, "length": n} for i, n in zip(ts.sample_ids, ts.lengths())] for sp, ts in splits.items()}
-    return Inputs(data_dir, m, target, target_fingerprint(target), cfg, aux, "post_norm", index["train"],
-                  index.get("heldout", []), online=OnlineData(data_dir, layer_ids, splits))
+    return Inputs(data_dir, m, target, target_fingerprint(target), cfg, aux, index["train"], index.get("heldout", []),
+                  online=OnlineData(data_dir, layer_ids, splits))
 
 
 def heldout_split(data_dir: Path, target: Path, vocab_size: int, max_pos: int | None) -> TokenSplit:

@@ -2,7 +2,11 @@
 
 One optimizer step consumes `world x grad_accum` packed microbatches, numbered globally so that a
 step's data does not depend on how it is split across ranks (1 process x 2 accumulation steps
-trains exactly what 2 processes x 1 do). Every input is checked before the first step.
+trains exactly what 2 processes x 1 do). Every input is checked before the first step (inputs.py).
+
+`train` reads as the run's outline: `plan_run` decides what the run is (vocabulary, steps, lr, the
+key a checkpoint must match), `build_run` builds the model and optimizer or resumes them,
+`train_step` is one optimizer step, `evaluate` the held-out pass, `save_checkpoint` a checkpoint.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import contextlib
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,20 +24,20 @@ from torch import nn
 
 from nestling.config import to_dict
 from nestling.draft.model import DraftConfig, Eagle3Draft
-from nestling.draft.vocab import (build_vocab, count_tokens, draft_ids_to_target, load_vocab, save_vocab)
+from nestling.draft.vocab import draft_ids_to_target, save_vocab
 from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, hash_bytes, hash_json, read_manifest, write_manifest
 from nestling.progress import Progress, log
-from nestling.targets.load import load_config, resolve_target, target_fingerprint
 from nestling.train import checkpoint as ckpt
 from nestling.train import dist, features
-from nestling.train.data import Prefetcher, Stream, collate, read_index
+from nestling.train.data import Prefetcher, Stream, collate
 from nestling.train.guard import NonFiniteGuard, check_due, describe_non_finite
 from nestling.train.head import read_head, teacher_rows
+from nestling.train.inputs import Inputs, load_inputs, make_vocab
 from nestling.train.loss import simulated_acceptance_length, supervised_counts, teacher, ttt_loss
 from nestling.train.metrics import MetricsLog, plot, ttt_metrics
 from nestling.train.noise import add_uniform_noise, microbatch_seed
-from nestling.train.optim import build_optimizer
+from nestling.train.optim import Optimizers, build_optimizer
 from nestling.train.settings import TrainSettings, resolve_lr
 from nestling.train.timing import Stopwatch
 from nestling.train.ttt import PackedBatch, attention_backend, ttt_hidden
@@ -63,123 +68,7 @@ class TTTObjective(nn.Module):
         return loss, st.loss_sum, st.correct, st.count
 
 
-# ---- inputs, checked before anything is trained -----------------------------------------------------
-
-@dataclass
-class Inputs:
-    capture_dir: Path
-    manifest: dict
-    target: Path
-    target_fp: str
-    hf_config: object
-    aux_layer_ids: list[int]
-    final_state: str
-    train_index: list[dict]
-    heldout_index: list[dict]
-    online: features.OnlineData | None = None  # set when the target runs in the loop (capture_dir = data dir)
-
-
-def check_inputs(capture_dir: Path, s: TrainSettings) -> Inputs:
-    from safetensors import safe_open
-
-    capture_dir = Path(capture_dir)
-    m = read_manifest(capture_dir, "capture")
-    layer_ids, aux = list(m.get("layer_ids") or []), list(m.get("aux_layer_ids") or [])
-    if not aux or layer_ids[:-1] != aux:
-        raise NestlingError(f"capture manifest of {capture_dir} has layer_ids {layer_ids} and aux_layer_ids {aux}: "
-                            "expected the aux ids followed by the final state; capture again")
-    if s.aux_layer_ids is not None and list(s.aux_layer_ids) != aux:
-        raise NestlingError(f"the capture in {capture_dir} holds aux layers {aux}, but the settings ask for "
-                            f"{list(s.aux_layer_ids)}: capture again with --layers {','.join(map(str, list(s.aux_layer_ids) + layer_ids[-1:]))} "
-                            "or drop aux_layer_ids")
-    final_state = m.get("final_state", "post_norm")
-    if final_state != "post_norm":  # the draft's teacher reads the target's output: the post-norm state
-        raise NestlingError(f"capture {capture_dir} stores final_state {final_state!r}; nestling trains on the "
-                            "post-norm final state (what nestling's capture writes): capture again")
-    recorded = (m.get("inputs") or {}).get("target")
-    tgt = s.target or m.get("target")
-    if not tgt:
-        raise NestlingError("the capture manifest names no target; pass target=PATH")
-    try:
-        target = resolve_target(tgt)
-    except NestlingError as e:
-        raise NestlingError(f"{e} (the target the capture was made from; pass target=PATH if it moved)") from None
-    fp = target_fingerprint(target)
-    if recorded and fp != recorded:
-        raise NestlingError(f"the capture in {capture_dir} was made from another target (fingerprint {recorded}) than "
-                            f"{target} ({fp}): train with the target it was captured from, or capture again")
-    cfg = load_config(target)
-    text = getattr(cfg, "text_config", None) or cfg
-    for key, want in (("hidden_size", text.hidden_size), ("vocab_size", text.vocab_size)):
-        if m.get(key) is not None and int(m[key]) != int(want):
-            raise NestlingError(f"capture {key} {m[key]} differs from the target's {want}: another target's capture")
-    n_ids = len(layer_ids)
-    index = {split: read_index(capture_dir, split) for split in ("train", "heldout")}
-    if not index["train"]:
-        raise NestlingError(f"the capture in {capture_dir} holds no training samples; check the data stage's output")
-    for split, entries in index.items():
-        for shard in sorted({e["shard"] for e in entries}):
-            path = capture_dir / split / shard
-            if not path.exists():
-                raise NestlingError(f"capture shard {path} is missing; run `nestling capture` again to complete it")
-            try:
-                with safe_open(str(path), "pt") as f:
-                    meta = f.metadata() or {}
-                    shape = f.get_slice("hidden").get_shape()
-            except Exception as e:  # noqa: BLE001 - safetensors' error types vary: a damaged file, whatever the cause
-                raise NestlingError(f"capture shard {path} cannot be read ({type(e).__name__}: {str(e)[:200]}): it is "
-                                    "cut off or damaged; delete it and run the same `nestling capture` command again "
-                                    "to redo it") from None
-            if meta.get("layer_ids") not in (None, ",".join(map(str, layer_ids))):
-                raise NestlingError(f"shard {path} holds layers {meta['layer_ids']}, the capture manifest says "
-                                    f"{layer_ids}: the folder mixes captures; capture again into a fresh folder")
-            if list(shape[1:]) != [n_ids, int(text.hidden_size)]:
-                raise NestlingError(f"shard {path} holds hidden states of shape [*, {', '.join(map(str, shape[1:]))}], "
-                                    f"expected [*, {n_ids}, {text.hidden_size}]: from another target or layer set")
-    return Inputs(capture_dir, m, target, fp, cfg, aux, final_state, index["train"], index["heldout"])
-
-
-def supervised_token_counts(inp: Inputs, vocab_size: int) -> torch.Tensor:
-    """Histogram of the supervised (loss_mask) tokens of the training split, read shard by shard."""
-    from safetensors import safe_open
-
-    if inp.online is not None:
-        return count_tokens(features.supervised_ids(inp), vocab_size)
-
-    def batches():
-        for shard in sorted({e["shard"] for e in inp.train_index}):
-            with safe_open(str(inp.capture_dir / "train" / shard), "pt") as f:
-                ids, mask = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool()
-            yield ids[mask]
-
-    return count_tokens(batches(), vocab_size)
-
-
-def make_vocab(inp: Inputs, s: TrainSettings, out: Path, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    counts = supervised_token_counts(inp, vocab_size)
-    if counts.sum() == 0:
-        raise NestlingError(f"the training split of {inp.capture_dir} has no supervised tokens (loss_mask is all 0); "
-                            "check the data stage's chat template / loss mask")
-    if s.vocab:
-        if not Path(s.vocab).exists():
-            raise NestlingError(f"vocabulary file {s.vocab} does not exist")
-        d2t, t2d = load_vocab(Path(s.vocab))
-    elif (out / "vocab.safetensors").exists():
-        d2t, t2d = load_vocab(out / "vocab.safetensors")
-    else:
-        d2t, t2d = build_vocab(counts, min(s.draft_vocab_size, vocab_size))
-    where = s.vocab or out / "vocab.safetensors"
-    if t2d.numel() != vocab_size:
-        raise NestlingError(f"vocabulary {where} covers a target vocabulary of {t2d.numel()} tokens, the target has "
-                            f"{vocab_size}: it belongs to another target; remove it or pass a matching vocab")
-    ids = draft_ids_to_target(d2t)
-    if ids.numel() != int(t2d.sum()) or not torch.equal(ids, t2d.nonzero().flatten()):
-        raise NestlingError(f"vocabulary {where} is inconsistent: d2t and t2d name different tokens")
-    if s.vocab is None and ids.numel() != min(s.draft_vocab_size, vocab_size):
-        raise NestlingError(f"vocabulary {where} has {ids.numel()} tokens, the settings ask for draft_vocab_size "
-                            f"{s.draft_vocab_size}: use a fresh --out folder or the matching setting")
-    return d2t, t2d
-
+# ---- building the run: what it is, then the model and optimizer --------------------------------------
 
 def build_draft(cfg: DraftConfig, head, d2t: torch.Tensor, t2d: torch.Tensor, lm_head_init: str,
                 freeze_lm_head: bool = False) -> Eagle3Draft:
@@ -197,9 +86,8 @@ def build_draft(cfg: DraftConfig, head, d2t: torch.Tensor, t2d: torch.Tensor, lm
     return draft
 
 
-# ---- schedule ----------------------------------------------------------------------------------------
-
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """Linear warmup, then cosine decay to `min_ratio` of the peak lr."""
     if step < warmup:
         return (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
@@ -223,6 +111,277 @@ def _config_key(cfg: DraftConfig, d2t: torch.Tensor, inp: Inputs, s: TrainSettin
     return hash_json({"draft": asdict(cfg), "vocab": hash_bytes(d2t.numpy().tobytes()), "target": inp.target_fp,
                       "capture": hash_json(inp.manifest), "settings": traj, "total_steps": total,
                       "global_microbatches": world * s.grad_accum, **features.key_extra(inp, s, device)})
+
+
+@dataclass
+class Plan:
+    """What the run is, decided from the inputs before anything is built: a finished run or a
+    checkpoint is recognised by `key` alone."""
+
+    cfg: DraftConfig
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    vocab_size: int
+    hidden_size: int
+    microbatches: int  # per optimizer step, over all ranks (world x grad_accum)
+    train_stream: Stream
+    total: int  # optimizer steps
+    lr: float
+    lr_why: str
+    key: str
+
+
+def plan_run(inp: Inputs, s: TrainSettings, out: Path, d: dist.Dist, device: torch.device) -> Plan:
+    """The vocabulary, the draft's config, the number of steps and the lr: everything the key covers."""
+    text = getattr(inp.hf_config, "text_config", None) or inp.hf_config
+    V, H = int(text.vocab_size), int(text.hidden_size)
+    d2t, t2d = make_vocab(inp, s, out, V)
+    cfg = DraftConfig.from_target(inp.hf_config, int(d2t.numel()), inp.aux_layer_ids, target=str(inp.target),
+                                  target_fingerprint=inp.target_fp, num_hidden_layers=s.draft_layers)
+    if s.intermediate_size:
+        cfg.intermediate_size = s.intermediate_size
+    G = d.world * s.grad_accum
+    train_stream = Stream([e["length"] for e in inp.train_index], s.batch_tokens, s.seed)
+    total = s.steps if s.steps is not None else max(1, math.ceil(s.epochs * train_stream.per_epoch() / G))
+    lr, lr_why = resolve_lr(s, H, total)
+    key = _config_key(cfg, d2t, inp, s, total, d.world, device, lr)
+    return Plan(cfg, d2t, t2d, V, H, G, train_stream, total, lr, lr_why, key)
+
+
+def finished_run(out: Path, key: str) -> dict:
+    """`out` holds a manifest: this very run, done (its manifest), or another one (an error)."""
+    old = read_manifest(out, "train")
+    if old.get("config_key") == key:
+        log(f"[train] {out} already holds this training run; nothing to do")
+        return old
+    raise NestlingError(f"{out} holds a finished training run of other inputs or settings; use a fresh --out")
+
+
+def resume_point(out: Path, resume: bool | str | Path) -> Path | None:
+    """The checkpoint to start from: the one given, the latest in `out`, or none. Checkpoints in
+    `out` without `resume` are an error: a fresh start would delete them."""
+    root = out / "checkpoints"
+    if not resume:
+        if ckpt.list_checkpoints(root):
+            raise NestlingError(f"{out} already holds checkpoints; pass --resume to continue from the latest, or use a fresh --out")
+        return None
+    cks = ckpt.list_checkpoints(root)
+    start = Path(resume) if isinstance(resume, (str, Path)) and str(resume) not in ("latest", "True") else (
+        cks[-1] if cks else None)
+    if start is None:
+        log(f"[train] --resume: no checkpoint in {root}; starting from step 0")
+    return start
+
+
+@dataclass
+class Run:
+    """One training run, built: the draft inside its TTT objective (wrapped for DDP / FSDP), the
+    optimizer, the teacher's rows and the step it starts at. The step, evaluation and checkpoint
+    functions below read it."""
+
+    s: TrainSettings
+    d: dist.Dist
+    device: torch.device
+    out: Path
+    plan: Plan
+    model: nn.Module
+    fwd: Callable  # `model`, or torch.compile of it
+    optimizer: Optimizers
+    params: list[nn.Parameter]  # the trainable ones
+    amp: torch.dtype
+    backend: str  # attention backend
+    w_draft: torch.Tensor  # lm_head rows of the draft vocabulary (the teacher)
+    w_rest: torch.Tensor  # all other rows
+    step: int  # where it starts: 0, or the checkpoint's step
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.out / "checkpoints"
+
+
+def build_run(inp: Inputs, plan: Plan, s: TrainSettings, out: Path, d: dist.Dist, device: torch.device,
+              start: Path | None) -> Run:
+    """The model and optimizer, from the same seed on every rank (identical initial weights), then the
+    checkpoint's weights, optimizer, schedule and RNG when resuming (its key is checked first)."""
+    state = None
+    if start is not None:
+        weights, optim_state, state = ckpt.load(start, plan.key)  # checks the configuration first
+    torch.manual_seed(s.seed)
+    head = read_head(inp.target, plan.vocab_size, plan.hidden_size)
+    draft = build_draft(plan.cfg, head, plan.d2t, plan.t2d, s.lm_head_init, s.freeze_lm_head)
+    amp = _amp(device, s)
+    draft.to(device)
+    if amp != torch.float32:
+        draft.embed_tokens.to(amp)  # frozen: no fp32 master copy needed
+    w_draft, w_rest = (w.to(device, amp) for w in teacher_rows(head, plan.d2t, plan.t2d))
+    del head
+    backend = attention_backend(s.attention, device)
+    if backend == "flex" and device.type != "cuda":
+        raise NestlingError("attention=flex trains on CUDA only (PyTorch has no flex-attention backward on CPU); "
+                            "use attention=auto or attention=mask")
+    objective = TTTObjective(draft, s.ttt_steps, s.ttt_decay, backend, s.hidden_noise)
+    model = dist.wrap(objective, d, s.parallel, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = plan.total
+    warmup = s.warmup_steps if s.warmup_steps is not None else int(s.warmup_ratio * total)
+    optimizer = build_optimizer(model, s, plan.lr, lambda st: lr_factor(st, total, warmup, s.min_lr_ratio), device)
+    step = 0
+    if state is not None:
+        dist.load_full_state(model, optimizer, weights, optim_state, d, s.parallel)
+        optimizer.load_scheduler_state(state["scheduler"])
+        ckpt.restore_rng(state)
+        step = int(state["step"])
+        log(f"[train] resumed from {start} at step {step}/{total}")
+    fwd = torch.compile(model) if s.compile else model
+    return Run(s, d, device, out, plan, model, fwd, optimizer, params, amp, backend, w_draft, w_rest, step)
+
+
+def start_out(run: Run) -> None:
+    """Rank 0 writes the draft config and vocabulary into `out` and drops a half-written checkpoint."""
+    if run.d.main:
+        run.out.mkdir(parents=True, exist_ok=True)
+        ckpt.clean_partial(run.checkpoints)
+        run.plan.cfg.save(run.out / "draft_config.json")
+        if not (run.out / "vocab.safetensors").exists():
+            save_vocab(run.out / "vocab.safetensors", run.plan.d2t, run.plan.t2d)
+
+
+# ---- the data: microbatches in, the draft's inputs and the teacher on the device ----------------------
+
+@dataclass
+class Feed:
+    """Where microbatches come from: the streams over both splits, their items, and (online) the
+    target that computes the hidden states right before the draft step."""
+
+    train_ds: object
+    held_ds: object | None
+    train_stream: Stream
+    held_stream: Stream
+    target_fwd: features.TargetStates | None
+    pad: int | None  # pad every batch to the token budget (static shapes on CUDA)
+
+
+def open_feed(inp: Inputs, s: TrainSettings, device: torch.device, train_stream: Stream) -> Feed:
+    train_ds = features.dataset(inp, "train")
+    held_ds = features.dataset(inp, "heldout") if inp.heldout_index else None
+    target_fwd = features.target_states(inp, s, device)  # online: the target, run right before each draft step
+    held_stream = Stream([e["length"] for e in inp.heldout_index], s.batch_tokens, s.seed, shuffle=False)
+    pad = s.batch_tokens if (s.pad_to_budget if s.pad_to_budget is not None else device.type == "cuda") else None
+    return Feed(train_ds, held_ds, train_stream, held_stream, target_fwd, pad)
+
+
+def load_batch(run: Run, feed: Feed, mb: list[int], ds) -> PackedBatch:
+    return collate([ds[i] for i in mb], run.s.batch_tokens, feed.pad)
+
+
+def load_step(run: Run, feed: Feed, at: int) -> list[PackedBatch]:
+    """This rank's microbatches of step `at`, numbered globally: the same data whatever the split
+    over ranks and accumulation steps. Runs in the prefetch thread."""
+    G, d = run.plan.microbatches, run.d
+    bs = [load_batch(run, feed, feed.train_stream[at * G + a * d.world + d.rank], feed.train_ds)
+          for a in range(run.s.grad_accum)]
+    return [b.pin() for b in bs] if run.device.type == "cuda" else bs
+
+
+def on_device(run: Run, feed: Feed, b: PackedBatch, sw: Stopwatch | None = None) -> tuple[PackedBatch, object]:
+    """The batch on the device (online: its states from the target first, timed by `sw`) and its
+    teacher distribution from the captured post-norm final state."""
+    if feed.target_fwd is not None:
+        with sw or contextlib.nullcontext():
+            b = feed.target_fwd.fill(b)
+    b = b.to(run.device, run.amp)
+    return b, teacher(b.final, run.w_draft, run.w_rest, run.s.teacher_chunk)
+
+
+def autocast(run: Run) -> contextlib.AbstractContextManager:
+    return torch.autocast(run.device.type, dtype=run.amp) if run.amp != torch.float32 else contextlib.nullcontext()
+
+
+# ---- one step, the metrics, evaluation, checkpoints -------------------------------------------------
+
+def noise_seed(s: TrainSettings, microbatch: int) -> int | None:
+    """The microbatch's `hidden_noise` seed; None without noise, so nothing changes per call (compile)."""
+    return microbatch_seed(s.seed, microbatch) if s.hidden_noise > 0 else None
+
+
+@dataclass
+class Clocks:
+    """Seconds in the target forward (online) and in the draft's steps, reported per log interval."""
+
+    target: Stopwatch
+    draft: Stopwatch
+    online: bool
+
+    def take(self) -> dict:
+        t_s, d_s = self.target.take(), self.draft.take()
+        return {"draft_s": d_s, **({"target_s": t_s, "target_share": t_s / max(t_s + d_s, 1e-9)} if self.online else {})}
+
+
+def train_step(run: Run, feed: Feed, batches: list[PackedBatch], step: int, guard: NonFiniteGuard, clocks: Clocks,
+               sums: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """One optimizer step over this rank's microbatches; adds their [loss, correct, count] x K into
+    `sums`; returns (the clipped gradient norm, tokens over all ranks). The loss is divided by the
+    step's supervised tokens over all ranks (`denom`), so splitting a step changes nothing."""
+    s, d, K, G, model = run.s, run.d, run.s.ttt_steps, run.plan.microbatches, run.model
+    denom = dist.all_sum(sum(supervised_counts(b, K) for b in batches), d)
+    tokens = int(dist.all_sum(torch.tensor([float(sum(b.num_tokens for b in batches))]), d))
+    for a, cpu_batch in enumerate(batches):
+        b, t = on_device(run, feed, cpu_batch, clocks.target)
+        last = a == s.grad_accum - 1
+        sync = contextlib.nullcontext()
+        if d.enabled and s.parallel == "ddp" and not last:
+            sync = model.no_sync()
+        elif d.enabled and s.parallel == "fsdp":
+            model.set_requires_gradient_sync(last)
+        microbatch = step * G + a * d.world + d.rank
+        with sync, clocks.draft:
+            with autocast(run):
+                loss, loss_sum, correct, count = run.fwd(b, t, denom, noise_seed(s, microbatch))
+            guard.note_loss(loss, microbatch)
+            (loss * d.world).backward()
+        sums += torch.stack([loss_sum, correct, count])
+    with clocks.draft:
+        gnorm = torch.nn.utils.clip_grad_norm_(run.params, s.grad_clip) if s.grad_clip > 0 else None
+        guard.note_grad(gnorm if gnorm is not None else torch.nn.utils.get_total_norm(
+            [p.grad for p in run.params if p.grad is not None]), step)
+        run.optimizer.step()  # and the lr schedule
+    run.optimizer.zero_grad(set_to_none=True)
+    return gnorm, tokens
+
+
+def evaluate(run: Run, feed: Feed) -> dict | None:
+    """Held-out loss, accuracies and simulated acceptance length over `eval_batches` batches; every
+    rank runs the same number of forwards (FSDP needs it), batches past the last count nothing."""
+    s, d, K = run.s, run.d, run.s.ttt_steps
+    if feed.held_ds is None or s.eval_batches <= 0:
+        return None
+    n = min(s.eval_batches, feed.held_stream.per_epoch())
+    tot = torch.zeros(3, K, dtype=torch.float64, device=run.device)
+    run.model.eval()
+    with torch.no_grad():
+        for k in range(math.ceil(n / d.world)):
+            i = k * d.world + d.rank
+            b, t = on_device(run, feed, load_batch(run, feed, feed.held_stream[i % n], feed.held_ds))
+            with autocast(run):
+                _, loss_sum, correct, count = run.fwd(b, t, torch.ones(K, dtype=torch.float64))
+            if i < n:
+                tot += torch.stack([loss_sum, correct, count])
+    run.model.train()
+    tot = dist.all_sum(tot, d).cpu()
+    m = ttt_metrics(tot, s.ttt_decay)
+    return {**m, "sim_accept_len": simulated_acceptance_length([m[f"acc_{j}"] for j in range(K)]),
+            "tokens": int(tot[2, 0])}
+
+
+def save_checkpoint(run: Run, at: int) -> None:
+    """Weights, optimizer, schedule and RNG after step `at`, gathered and written by rank 0; every
+    rank waits for it, so no rank runs ahead of a checkpoint it may resume from."""
+    weights, optim = dist.full_state(run.model, run.optimizer, run.d, run.s.parallel)
+    if run.d.main:
+        ckpt.save(run.checkpoints, at, weights, optim, run.optimizer.scheduler_state(), run.plan.key,
+                  {"microbatches_done": at * run.plan.microbatches, "total_steps": run.plan.total, "world": run.d.world},
+                  run.s.keep_checkpoints)
+    dist.barrier(run.d)
 
 
 # ---- the loop ----------------------------------------------------------------------------------------
@@ -261,249 +420,115 @@ def claim_out(out: Path, inp: Inputs, s: TrainSettings, resume) -> contextlib.Ab
 
 def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch.device, d: dist.Dist,
            hold: contextlib.ExitStack) -> dict:
-    if s.ttt_steps < 1 or s.batch_tokens < 4 or s.grad_accum < 1:
-        raise NestlingError("ttt_steps and grad_accum must be >= 1 and batch_tokens >= 4")
-    if s.intermediate_size < 0:
-        raise NestlingError(f"intermediate_size must be 0 (the target's) or positive, got {s.intermediate_size}")
-    features.check_mode(capture_dir, features.is_online(s))
-    if s.heldout_data and not features.is_online(s):
-        raise NestlingError("heldout_data is an online option (a data folder the target runs over); offline, "
-                            "evaluation uses the capture's held-out split")
-    inp = features.online_inputs(capture_dir, s) if features.is_online(s) else check_inputs(capture_dir, s)
+    inp = load_inputs(capture_dir, s)
     if d.main:  # the other ranks write nothing of their own into `out`
         hold.enter_context(claim_out(out, inp, s, resume))
-    text = getattr(inp.hf_config, "text_config", None) or inp.hf_config
-    V, H = int(text.vocab_size), int(text.hidden_size)
-    d2t, t2d = make_vocab(inp, s, out, V)
-    cfg = DraftConfig.from_target(inp.hf_config, int(d2t.numel()), inp.aux_layer_ids, target=str(inp.target),
-                                  target_fingerprint=inp.target_fp, num_hidden_layers=s.draft_layers)
-    if s.intermediate_size:
-        cfg.intermediate_size = s.intermediate_size
-    G = d.world * s.grad_accum
-    train_stream = Stream([e["length"] for e in inp.train_index], s.batch_tokens, s.seed)
-    total = s.steps if s.steps is not None else max(1, math.ceil(s.epochs * train_stream.per_epoch() / G))
-    lr, lr_why = resolve_lr(s, H, total)
-    key = _config_key(cfg, d2t, inp, s, total, d.world, device, lr)
-
+    plan = plan_run(inp, s, out, d, device)
     if (out / MANIFEST).exists():
-        old = read_manifest(out, "train")
-        if old.get("config_key") == key:
-            log(f"[train] {out} already holds this training run; nothing to do")
-            return old
-        raise NestlingError(f"{out} holds a finished training run of other inputs or settings; use a fresh --out")
-    root = out / "checkpoints"
-    start_ckpt = None
-    if resume:
-        cks = ckpt.list_checkpoints(root)
-        start_ckpt = Path(resume) if isinstance(resume, (str, Path)) and str(resume) not in ("latest", "True") else (
-            cks[-1] if cks else None)
-        if start_ckpt is None:
-            log(f"[train] --resume: no checkpoint in {root}; starting from step 0")
-    elif ckpt.list_checkpoints(root):
-        raise NestlingError(f"{out} already holds checkpoints; pass --resume to continue from the latest, or use a fresh --out")
-    state = None
-    if start_ckpt is not None:
-        weights, optim_state, state = ckpt.load(start_ckpt, key)  # checks the configuration first
-
-    # ---- build (same seed on every rank: identical initial weights) ----
-    torch.manual_seed(s.seed)
-    head = read_head(inp.target, V, H)
-    draft = build_draft(cfg, head, d2t, t2d, s.lm_head_init, s.freeze_lm_head)
-    amp = _amp(device, s)
-    draft.to(device)
-    if amp != torch.float32:
-        draft.embed_tokens.to(amp)  # frozen: no fp32 master copy needed
-    w_draft, w_rest = (w.to(device, amp) for w in teacher_rows(head, d2t, t2d))
-    del head
-    backend = attention_backend(s.attention, device)
-    if backend == "flex" and device.type != "cuda":
-        raise NestlingError("attention=flex trains on CUDA only (PyTorch has no flex-attention backward on CPU); "
-                            "use attention=auto or attention=mask")
-    objective = TTTObjective(draft, s.ttt_steps, s.ttt_decay, backend, s.hidden_noise)
-    model = dist.wrap(objective, d, s.parallel, device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    warmup = s.warmup_steps if s.warmup_steps is not None else int(s.warmup_ratio * total)
-    optimizer = build_optimizer(model, s, lr, lambda st: lr_factor(st, total, warmup, s.min_lr_ratio), device)
-    step = 0
-    if state is not None:
-        dist.load_full_state(model, optimizer, weights, optim_state, d, s.parallel)
-        optimizer.load_scheduler_state(state["scheduler"])
-        ckpt.restore_rng(state)
-        step = int(state["step"])
-        log(f"[train] resumed from {start_ckpt} at step {step}/{total}")
-    fwd = torch.compile(model) if s.compile else model
-
-    # ---- output folder ----
+        return finished_run(out, plan.key)
+    run = build_run(inp, plan, s, out, d, device, resume_point(out, resume))
+    start_out(run)
+    metrics = MetricsLog(out, d.main, truncate_after=run.step)
+    feed = open_feed(inp, s, device, plan.train_stream)
+    clocks = Clocks(Stopwatch(device), Stopwatch(device), online=feed.target_fwd is not None)
     if d.main:
-        out.mkdir(parents=True, exist_ok=True)
-        ckpt.clean_partial(root)
-        cfg.save(out / "draft_config.json")
-        if not (out / "vocab.safetensors").exists():
-            save_vocab(out / "vocab.safetensors", d2t, t2d)
-    metrics = MetricsLog(out, d.main, truncate_after=step)
-    train_ds = features.dataset(inp, "train")
-    held_ds = features.dataset(inp, "heldout") if inp.heldout_index else None
-    target_fwd = features.target_states(inp, s, device)  # online: the target, run right before each draft step
-    target_sw, draft_sw = Stopwatch(device), Stopwatch(device)
-    held_stream = Stream([e["length"] for e in inp.heldout_index], s.batch_tokens, s.seed, shuffle=False)
-    pad = s.batch_tokens if (s.pad_to_budget if s.pad_to_budget is not None else device.type == "cuda") else None
-    K = s.ttt_steps
-
-    def load(mb: list[int], ds) -> PackedBatch:
-        return collate([ds[i] for i in mb], s.batch_tokens, pad)
-
-    def prepare(b: PackedBatch, sw: Stopwatch | None = None):
-        if target_fwd is not None:
-            with sw or contextlib.nullcontext():
-                b = target_fwd.fill(b)
-        b = b.to(device, amp)
-        return b, teacher(b.final, w_draft, w_rest, s.teacher_chunk)
-
-    def autocast():
-        return torch.autocast(device.type, dtype=amp) if amp != torch.float32 else contextlib.nullcontext()
-
-    def evaluate() -> dict | None:
-        if held_ds is None or s.eval_batches <= 0:
-            return None
-        n = min(s.eval_batches, held_stream.per_epoch())
-        tot = torch.zeros(3, K, dtype=torch.float64, device=device)
-        model.eval()
-        with torch.no_grad():
-            for k in range(math.ceil(n / d.world)):  # the same number of forwards on every rank (FSDP)
-                i = k * d.world + d.rank
-                b, t = prepare(load(held_stream[i % n], held_ds))
-                with autocast():
-                    _, sums, correct, count = fwd(b, t, torch.ones(K, dtype=torch.float64))
-                if i < n:
-                    tot += torch.stack([sums, correct, count])
-        model.train()
-        tot = dist.all_sum(tot, d).cpu()
-        m = ttt_metrics(tot, s.ttt_decay)
-        return {**m, "sim_accept_len": simulated_acceptance_length([m[f"acc_{j}"] for j in range(K)]),
-                "tokens": int(tot[2, 0])}
-
-    def save_checkpoint(at: int) -> None:
-        weights_, optim_ = dist.full_state(model, optimizer, d, s.parallel)
-        if d.main:
-            ckpt.save(root, at, weights_, optim_, optimizer.scheduler_state(), key,
-                      {"microbatches_done": at * G, "total_steps": total, "world": d.world}, s.keep_checkpoints)
-        dist.barrier(d)
-
-    if d.main:
-        log(f"[train] {len(inp.train_index)} samples, {train_stream.per_epoch()} microbatches/epoch of <= "
-            f"{s.batch_tokens} tokens; {total} steps x {G} microbatches; K={K}; draft vocab {cfg.draft_vocab_size}; "
-            f"{sum(p.numel() for p in params):,} trainable params; {device} {str(amp).split('.')[-1]}, attention "
-            f"{backend}, {d.world} rank(s)")
-        log(f"[train] lr {lr:g} ({lr_why}); optimizer {s.optimizer}"
-            + (f", muon_lr {s.muon_lr if s.muon_lr is not None else lr:g}" if s.optimizer == "muon" else "")
-            + ("; lm_head frozen at the target's rows" if s.freeze_lm_head else "")
-            + (f"; hidden_noise {s.hidden_noise:g}" if s.hidden_noise else ""))
-    prog = Progress("train", total=total - step, unit="steps", interval=s.progress_interval,
+        _announce(run, inp)
+    prog = Progress("train", total=plan.total - run.step, unit="steps", interval=s.progress_interval,
                     state_file=out / "progress.json" if d.main else None) if d.main else None
-    interval = torch.zeros(3, K, dtype=torch.float64, device=device)
+    _run_steps(run, feed, clocks, metrics, prog, inp)
+    if feed.target_fwd is not None:
+        feed.target_fwd.close()
+    if prog:
+        prog.close()
+    return _finish(run, inp, metrics)
+
+
+def _announce(run: Run, inp: Inputs) -> None:
+    s, plan, d = run.s, run.plan, run.d
+    log(f"[train] {len(inp.train_index)} samples, {plan.train_stream.per_epoch()} microbatches/epoch of <= "
+        f"{s.batch_tokens} tokens; {plan.total} steps x {plan.microbatches} microbatches; K={s.ttt_steps}; draft vocab "
+        f"{plan.cfg.draft_vocab_size}; {sum(p.numel() for p in run.params):,} trainable params; {run.device} "
+        f"{str(run.amp).split('.')[-1]}, attention {run.backend}, {d.world} rank(s)")
+    log(f"[train] lr {plan.lr:g} ({plan.lr_why}); optimizer {s.optimizer}"
+        + (f", muon_lr {s.muon_lr if s.muon_lr is not None else plan.lr:g}" if s.optimizer == "muon" else "")
+        + ("; lm_head frozen at the target's rows" if s.freeze_lm_head else "")
+        + (f"; hidden_noise {s.hidden_noise:g}" if s.hidden_noise else ""))
+
+
+def _run_steps(run: Run, feed: Feed, clocks: Clocks, metrics: MetricsLog, prog: Progress | None, inp: Inputs) -> None:
+    """Steps from `run.step` to the last; after each, the non-finite check first (nothing is logged,
+    evaluated or saved from bad weights), then the log line, evaluation and checkpoint when due."""
+    s, d, total, G = run.s, run.d, run.plan.total, run.plan.microbatches
+    sums = torch.zeros(3, s.ttt_steps, dtype=torch.float64, device=run.device)  # since the last log line
     interval_tokens, t_last = 0, time.monotonic()
-    model.train()
-    def load_step(at: int) -> list[PackedBatch]:
-        mbs = [train_stream[at * G + a * d.world + d.rank] for a in range(s.grad_accum)]
-        bs = [load(mb, train_ds) for mb in mbs]
-        return [b.pin() for b in bs] if device.type == "cuda" else bs
-
-    def noise_seed(microbatch: int) -> int | None:  # None without noise: nothing changes per call (compile)
-        return microbatch_seed(s.seed, microbatch) if s.hidden_noise > 0 else None
-
-    def step_times() -> dict:
-        """This interval's seconds in the target forward (online) and in the draft's steps."""
-        t_s, d_s = target_sw.take(), draft_sw.take()
-        return {"draft_s": d_s, **({"target_s": t_s, "target_share": t_s / max(t_s + d_s, 1e-9)} if target_fwd else {})}
-
-    guard = NonFiniteGuard(device)
+    run.model.train()
+    guard = NonFiniteGuard(run.device)
 
     def samples_of(microbatch: int) -> list[str]:
-        return [str(inp.train_index[i].get("sample_id", i)) for i in train_stream[microbatch]]
+        return [str(inp.train_index[i].get("sample_id", i)) for i in feed.train_stream[microbatch]]
 
-    def stop_if_non_finite(at: int) -> None:
-        if check_due(at, total, (s.log_every, s.eval_every, s.checkpoint_every)):
+    step = run.step
+    prefetch = Prefetcher(lambda at: load_step(run, feed, at), step, total)
+    while step < total:
+        gnorm, tokens = train_step(run, feed, prefetch.get(), step, guard, clocks, sums)
+        step += 1
+        interval_tokens += tokens
+        if check_due(step, total, (s.log_every, s.eval_every, s.checkpoint_every)):
             try:
-                guard.check(d, lambda kind, n: describe_non_finite(kind, n, G, d.world, samples_of, str(capture_dir)))
+                guard.check(d, lambda kind, n: describe_non_finite(kind, n, G, d.world, samples_of, str(inp.capture_dir)))
             except NestlingError:
                 prefetch.close()
                 raise
-
-    prefetch = Prefetcher(load_step, step, total)
-    while step < total:
-        batches = prefetch.get()
-        denom = dist.all_sum(sum(supervised_counts(b, K) for b in batches), d)
-        tokens = int(dist.all_sum(torch.tensor([float(sum(b.num_tokens for b in batches))]), d))
-        for a, cpu_batch in enumerate(batches):
-            b, t = prepare(cpu_batch, target_sw)
-            last = a == s.grad_accum - 1
-            sync = contextlib.nullcontext()
-            if d.enabled and s.parallel == "ddp" and not last:
-                sync = model.no_sync()
-            elif d.enabled and s.parallel == "fsdp":
-                model.set_requires_gradient_sync(last)
-            with sync, draft_sw:
-                with autocast():
-                    loss, sums, correct, count = fwd(b, t, denom, noise_seed(step * G + a * d.world + d.rank))
-                guard.note_loss(loss, step * G + a * d.world + d.rank)
-                (loss * d.world).backward()
-            interval += torch.stack([sums, correct, count])
-        with draft_sw:
-            gnorm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip) if s.grad_clip > 0 else None
-            guard.note_grad(gnorm if gnorm is not None else torch.nn.utils.get_total_norm(
-                [p.grad for p in params if p.grad is not None]), step)
-            optimizer.step()  # and the lr schedule
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        interval_tokens += tokens
-        stop_if_non_finite(step)  # before anything is logged, evaluated or saved from this step's weights
         if step % s.log_every == 0 or step == total:
             now = time.monotonic()
-            rec = {"step": step, "split": "train", "lr": optimizer.last_lr(),
-                   **ttt_metrics(dist.all_sum(interval, d).cpu(), s.ttt_decay),
+            rec = {"step": step, "split": "train", "lr": run.optimizer.last_lr(),
+                   **ttt_metrics(dist.all_sum(sums, d).cpu(), s.ttt_decay),
                    "grad_norm": float(gnorm) if gnorm is not None else None,
-                   "tokens_per_s": interval_tokens / max(now - t_last, 1e-9), **step_times()}
+                   "tokens_per_s": interval_tokens / max(now - t_last, 1e-9), **clocks.take()}
             metrics.write(rec)
-            interval.zero_()
+            sums.zero_()
             interval_tokens, t_last = 0, now
             if prog:
                 prog.extra.update(step=step, loss=rec["loss"], acc_0=rec["acc_0"],
-                                  **({"target_share": round(rec["target_share"], 3)} if target_fwd else {}))
+                                  **({"target_share": round(rec["target_share"], 3)} if clocks.online else {}))
         if prog:
             prog.update(1, tokens=tokens)
         if (s.eval_every > 0 and step % s.eval_every == 0) or step == total:
-            ev = evaluate()
+            ev = evaluate(run, feed)
             if ev is not None:
                 metrics.write({"step": step, "split": "heldout", **ev})
                 if d.main:
                     log(f"[train] step {step} held-out: loss {ev['loss']:.4f} acc_0 {ev['acc_0']:.3f} "
                         f"simulated acceptance length {ev['sim_accept_len']:.3f}")
         if step % s.checkpoint_every == 0 or step == total:
-            save_checkpoint(step)
+            save_checkpoint(run, step)
     prefetch.close()
-    if target_fwd is not None:
-        target_fwd.close()
-    if prog:
-        prog.close()
 
-    weights_, _ = dist.full_state(model, optimizer, d, s.parallel)
+
+def _finish(run: Run, inp: Inputs, metrics: MetricsLog) -> dict:
+    """The trained weights, the plot and the manifest (rank 0), written last: a folder with a
+    manifest is a finished run."""
+    d, s, plan, out = run.d, run.s, run.plan, run.out
+    weights, _ = dist.full_state(run.model, run.optimizer, d, s.parallel)
     manifest: dict = {}
     if d.main:
         from safetensors.torch import save_file
 
         tmp = out / ".model.safetensors.tmp"
-        save_file({k: v.contiguous() for k, v in weights_.items()}, str(tmp), metadata={"format": "pt"})
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp), metadata={"format": "pt"})
         tmp.replace(out / "model.safetensors")
         metrics.close()
         plot(out / "metrics.jsonl", out / "plot.png")
         last_eval = metrics.last("heldout")
-        extra = features.manifest_extra(inp, s, device)
+        extra = features.manifest_extra(inp, s, run.device)
         manifest = write_manifest(
             out, "train", to_dict(s),
             {**extra.pop("inputs"), "target": inp.target_fp},
-            config_key=key, lr=lr, lr_reason=lr_why, target=str(inp.target), target_fingerprint=inp.target_fp,
-            aux_layer_ids=inp.aux_layer_ids, layer_ids=inp.online.layer_ids if inp.online else inp.manifest.get("layer_ids"),
-            **extra, draft_config=asdict(cfg), steps=total,
+            config_key=plan.key, lr=plan.lr, lr_reason=plan.lr_why, target=str(inp.target),
+            target_fingerprint=inp.target_fp, aux_layer_ids=inp.aux_layer_ids,
+            layer_ids=inp.online.layer_ids if inp.online else inp.manifest.get("layer_ids"),
+            **extra, draft_config=asdict(plan.cfg), steps=plan.total,
             world_size=d.world, final_eval=last_eval, final_train=metrics.last("train"))
     dist.barrier(d)
     return manifest if d.main else read_manifest(out, "train")
+
