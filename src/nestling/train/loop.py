@@ -262,6 +262,7 @@ class Feed:
 
 
 def open_feed(inp: Inputs, s: TrainSettings, device: torch.device, train_stream: Stream) -> Feed:
+    """Opened after the model is built: online, the target loads onto the device here."""
     train_ds = features.dataset(inp, "train")
     held_ds = features.dataset(inp, "heldout") if inp.heldout_index else None
     target_fwd = features.target_states(inp, s, device)  # online: the target, run right before each draft step
@@ -271,6 +272,7 @@ def open_feed(inp: Inputs, s: TrainSettings, device: torch.device, train_stream:
 
 
 def load_batch(run: Run, feed: Feed, mb: list[int], ds) -> PackedBatch:
+    """Items `mb` of `ds` packed into one microbatch of at most `batch_tokens` tokens."""
     return collate([ds[i] for i in mb], run.s.batch_tokens, feed.pad)
 
 
@@ -294,6 +296,7 @@ def on_device(run: Run, feed: Feed, b: PackedBatch, sw: Stopwatch | None = None)
 
 
 def autocast(run: Run) -> contextlib.AbstractContextManager:
+    """Compute in the amp dtype (bf16 on CUDA) over fp32 weights; no autocast when training in fp32."""
     return torch.autocast(run.device.type, dtype=run.amp) if run.amp != torch.float32 else contextlib.nullcontext()
 
 
