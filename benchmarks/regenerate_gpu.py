@@ -28,7 +28,10 @@ from pathlib import Path
 
 SHAPES = {"llama8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                           intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
-                          rope_theta=500000.0, tie_word_embeddings=False)}
+                          rope_theta=500000.0, tie_word_embeddings=False),
+          "smollm2": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                          intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192,
+                          rope_theta=100000.0, tie_word_embeddings=True)}
 
 
 def sharegpt_run(a) -> dict:
@@ -93,8 +96,8 @@ def shape_run(a) -> dict:
             for i, n in enumerate(lens)]
     length = cache_length(max(lens) + a.max_new_tokens)
     slots = max(1, min(slots, cache_tokens // length, a.requests))
-    dec = Decoder(model, [], 0, Sampling(a.temperature), slots, length, a.max_new_tokens, 16 if on_cuda else 4,
-                  on_cuda and not a.eager)
+    dec = Decoder(model, [], 0, Sampling(a.temperature), slots, length, a.max_new_tokens,
+                  a.sync_every or (16 if on_cuda else 4), on_cuda and not a.eager, attention=a.attention)
     t0 = time.monotonic()
     with torch.inference_mode():
         out = dec.run(jobs, 65536 if on_cuda else 8192)
@@ -102,11 +105,30 @@ def shape_run(a) -> dict:
         torch.cuda.synchronize()
     secs = time.monotonic() - t0
     tokens = sum(len(o) for o in out)
-    return {"mode": f"shape:{a.shape}", "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+    if a.profile:
+        profile_step(dec, a.profile)
+    return {"stats": dec.stats.as_dict(slots), "attention": a.attention, "mode": f"shape:{a.shape}", "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
             "device": a.device, "dtype": str(next(model.parameters()).dtype), "requests": a.requests, "slots": slots,
             "cache_length": length, "cuda_graphs": dec.use_graphs, "output_tokens": tokens, "cap_hits": len(out),
             "cap_share": 1.0, "turns": len(out), "generation_s": round(secs, 3), "wall_s": round(secs, 1),
             "output_tok_s": round(tokens / secs, 1)}
+
+
+def profile_step(dec, window: int) -> None:
+    """The GPU kernels of three eager decode steps at this window (a graph replay hides them)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        dec.state.live.fill_(True)
+        for _ in range(2):
+            dec._step(window)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                dec._step(window)
+            torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
 def main() -> None:
@@ -130,12 +152,17 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="shape mode: fewer layers (smoke tests)")
     ap.add_argument("--hidden", type=int, default=0, help="shape mode: narrower model (smoke tests; a multiple of 128)")
     ap.add_argument("--eager", action="store_true", help="shape mode: no CUDA graphs (to see what they buy)")
+    ap.add_argument("--attention", default="matmul", choices=["matmul", "sdpa"], help="shape mode: the step's attention")
+    ap.add_argument("--sync-every", type=int, default=0, help="shape mode: steps between host syncs (0 = auto)")
+    ap.add_argument("--profile", type=int, default=0, help="shape mode: print the kernels of an eager step at this window")
     ap.add_argument("--json", type=Path, help="write the result here")
     a = ap.parse_args()
     res = shape_run(a) if a.shape else sharegpt_run(a)
     keys = ["mode", "device", "turns", "output_tokens", "cap_hits", "cap_share", "generation_s", "wall_s", "output_tok_s"]
     print(" | ".join(keys))
     print(" | ".join(str(res.get(k, "")) for k in keys))
+    if "stats" in res:
+        print("stats:", res["stats"])
     if a.json:
         a.json.write_text(json.dumps(res, indent=2) + "\n")
         print(f"-> {a.json}")

@@ -52,9 +52,10 @@ def _assert_equals_generate(engine: HFEngine, reqs: list[Request]) -> list:
     return got
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: q/k norms, tied embeddings
-def test_fast_greedy_equals_generate_on_a_tiny_model_with_refills(arch, tiny_target, capsys):
-    engine = HFEngine(tiny_target(arch), RegenerateSettings(engine="hf", hf_batch_size=3, max_new_tokens=9))
+@pytest.mark.parametrize("arch,attention", [("llama", "sdpa"), ("qwen3", "sdpa"), ("llama", "matmul")])  # qwen3: q/k norms, tied embeddings
+def test_fast_greedy_equals_generate_on_a_tiny_model_with_refills(arch, attention, tiny_target, capsys):
+    engine = HFEngine(tiny_target(arch), RegenerateSettings(engine="hf", hf_batch_size=3, max_new_tokens=9,
+                                                            hf_attention=attention))
     assert engine.fast and "fast decode loop" in capsys.readouterr().err
     g = torch.Generator().manual_seed(0)
     lens, limits = [5, 40, 2, 17, 9, 1, 28, 12], [9, 3, 7, 9, 1, 5, 9, 6]  # 8 requests through 3 slots

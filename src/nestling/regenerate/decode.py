@@ -36,6 +36,26 @@ class Job:
 
 
 @dataclass
+class Stats:
+    """Where a decoder's time went (host wall clock; each phase ends at a host sync, so GPU time is
+    counted in the phase that queued it): how a benchmark tells prefill from steps from host work."""
+
+    prefill_s: float = 0.0
+    step_s: float = 0.0
+    host_s: float = 0.0
+    prefills: int = 0
+    rounds: int = 0
+    steps: int = 0
+    tokens: int = 0
+
+    def as_dict(self, slots: int) -> dict:
+        busy = self.tokens / max(1, self.steps * slots)  # share of slot-steps that wrote a token
+        return {"prefill_s": round(self.prefill_s, 3), "step_s": round(self.step_s, 3), "host_s": round(self.host_s, 3),
+                "prefills": self.prefills, "rounds": self.rounds, "steps": self.steps, "tokens": self.tokens,
+                "slot_use": round(busy, 4), "ms_per_step": round(1e3 * self.step_s / max(1, self.steps), 3)}
+
+
+@dataclass
 class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
@@ -79,8 +99,9 @@ class Decoder:
     """Greedy or seeded decoding of many requests through a fixed set of slots."""
 
     def __init__(self, model, eos: list[int], pad: int, sampling: Sampling, slots: int, length: int,
-                 max_new: int, sync_every: int, graphs: bool):
-        self.sm = StaticModel(model, slots, length)
+                 max_new: int, sync_every: int, graphs: bool, stats: Stats | None = None,
+                 attention: str = "sdpa"):
+        self.sm = StaticModel(model, slots, length, attention)
         dev = self.sm.k.device
         self.state = Slots(slots, max_new, dev)
         self.eos = torch.tensor(eos or [-1], device=dev)
@@ -90,6 +111,7 @@ class Decoder:
             torch.cuda.set_device(dev)  # streams and graphs belong to the current device
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
+        self.stats = stats or Stats()  # an engine passes one Stats to all its decoders
 
     # ---- on the device -------------------------------------------------------------------------
     def _finished(self, tok: torch.Tensor, count: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
@@ -172,7 +194,7 @@ class Decoder:
 
     def run(self, jobs: list[Job], prefill_tokens: int) -> list[list[int]]:
         """Generated tokens of every job (the end-of-answer token included when it came)."""
-        s = self.state
+        s, st = self.state, self.stats
         results: list[list[int] | None] = [None] * len(jobs)
         waiting = deque(sorted(range(len(jobs)), key=lambda i: len(jobs[i].prompt)))  # similar lengths together
         owner: dict[int, int] = {}  # slot -> job index
@@ -180,18 +202,26 @@ class Decoder:
         start = last_log = time.monotonic()
         tokens = 0
         while waiting or owner:
+            t0 = time.monotonic()
             if waiting and free:
                 take = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
                 where = [free.pop() for _ in take]
                 self._fill([jobs[i] for i in take], where, prefill_tokens)
                 owner.update(zip(where, take))
+                st.prefills += 1
             live, pos = s.live.tolist(), s.pos.tolist()  # the one host sync per round
+            t1 = time.monotonic()
+            st.prefill_s += t1 - t0
             busy = [b for b in owner if live[b]]
             if busy:
                 self._steps(window_for(max(pos[b] for b in busy) + self.sync_every + 1, self.sm.length))
                 live, count = s.live.tolist(), s.count.tolist()
+                st.rounds += 1
+                st.steps += self.sync_every
             else:
                 count = s.count.tolist()
+            t2 = time.monotonic()
+            st.step_s += t2 - t1
             done = [b for b in owner if not live[b]]
             if done:
                 rows = s.out[torch.tensor(done, device=s.out.device)].tolist()
@@ -199,8 +229,10 @@ class Decoder:
                     results[owner.pop(b)] = row[: count[b]]
                     tokens += count[b]
                     free.append(b)
+            st.host_s += time.monotonic() - t2
             if time.monotonic() - last_log > LOG_EVERY_S:
                 last_log = time.monotonic()
                 log(f"[regenerate] hf engine: {len(jobs) - len(waiting) - len(owner)}/{len(jobs)} answers, "
                     f"{tokens / (last_log - start):.0f} tok/s ({len(owner)} in {self.sm.slots} slots)")
+        st.tokens += tokens
         return results  # type: ignore[return-value]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from nestling.progress import log
-from nestling.regenerate.decode import WINDOW_STEP, Decoder, Job, Sampling, cache_length
+from nestling.regenerate.decode import WINDOW_STEP, Decoder, Job, Sampling, Stats, cache_length
 from nestling.regenerate.engine import Completion, Request
 from nestling.regenerate.settings import RegenerateSettings
 
@@ -121,6 +121,7 @@ class HFEngine:
         self.batch_size, self.batch_tokens = batch_limits(s, self.on_cuda, kv, free)
         self.slots, self.cache_tokens = fast_limits(s, self.on_cuda, kv, free)
         self.decoder: Decoder | None = None
+        self.stats = Stats()  # summed over decoders, logged at close
         self.graphs = self.on_cuda
         self.fast = s.hf_fast
         why = unsupported_reason(self.model) if self.fast else None
@@ -141,7 +142,8 @@ class HFEngine:
             if self.on_cuda:
                 self.torch.cuda.empty_cache()
             d = Decoder(self.model, self.eos, self.pad, Sampling(self.s.temperature, self.s.top_p, self.s.top_k),
-                        slots, length, self.s.max_new_tokens, 16 if self.on_cuda else 4, self.graphs)
+                        slots, length, self.s.max_new_tokens, 16 if self.on_cuda else 4, self.graphs, self.stats,
+                        self.s.hf_attention)
             self.decoder = d
         self.graphs = d.use_graphs  # a failed capture is not retried
         return d
@@ -208,5 +210,11 @@ class HFEngine:
         return out  # type: ignore[return-value]
 
     def close(self) -> None:
+        st = self.stats
+        if st.steps:
+            d = st.as_dict(self.slots)
+            log(f"[regenerate] hf engine: {st.tokens} tokens; prefill {d['prefill_s']:.1f} s ({st.prefills} batches), "
+                f"decode steps {d['step_s']:.1f} s ({st.steps} steps, {d['ms_per_step']:.2f} ms each), "
+                f"host {d['host_s']:.1f} s")
         self.decoder = None
         del self.model

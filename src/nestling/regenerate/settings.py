@@ -36,6 +36,7 @@ class RegenerateSettings:
     hf_fast: bool = True  # the static-cache decode loop (CUDA graphs on a GPU); false = transformers generate
     hf_batch_size: int = 0  # slots (fast) / requests per batch (generate); 0 = auto: 8 on CPU, 1024 on CUDA
     hf_batch_tokens: int = 0  # KV-cache tokens, slots x length (fast) / padded tokens per batch (generate); 0 = auto: 262144 on CPU, from free GPU memory on CUDA
+    hf_attention: Literal["sdpa", "matmul"] = "sdpa"  # fast loop attention: fused kernel, or float32 matmuls
     # engine: openai (one or several OpenAI-compatible servers, requests spread round-robin)
     urls: list[str] = field(default_factory=list)
     server_model: str = ""  # model name on the server; "" = the first one /v1/models lists

@@ -13,8 +13,10 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.nn.functional as F
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+ATTENTION = ("matmul", "sdpa")  # matmul: scores in float32, as written below; sdpa: torch's fused kernel
 
 
 def unsupported_reason(model) -> str | None:
@@ -33,7 +35,10 @@ def unsupported_reason(model) -> str | None:
 class StaticModel:
     """The model's decoder layers run one token per row against a static per-layer KV cache."""
 
-    def __init__(self, model, slots: int, length: int):
+    def __init__(self, model, slots: int, length: int, attention: str = "sdpa"):
+        if attention not in ATTENTION:
+            raise ValueError(f"attention={attention!r}: one of {', '.join(ATTENTION)}")
+        self.attention = attention
         inner = model.model
         cfg = model.config
         self.model, self.inner, self.layers = model, inner, list(inner.layers)
@@ -65,6 +70,9 @@ class StaticModel:
         keys, values = self.k[i][:, :, :w], self.v[i][:, :, :w]
         groups = self.heads // self.kv_heads
         qg = q.reshape(b, self.kv_heads, groups, d)  # head j reads kv head j // groups (repeat_kv)
+        if self.attention == "sdpa":  # the groups act as the query length: no repeat of the cache
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :], scale=self.scaling)
+            return a.o_proj(out.reshape(b, self.heads * d))
         scores = (qg @ keys.transpose(-1, -2)).float() * self.scaling
         scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
         out = scores.softmax(-1).to(values.dtype) @ values  # [b, kv_heads, groups, d]
