@@ -8,6 +8,8 @@
 #   or, after `stage`: [CURVE_TOKENS=45e6] bash benchmarks/h200_curve.sh one RECIPE  (one run, all in one call)
 #   or, after `stage`: [BATCH_TOKENS=8192] bash benchmarks/h200_curve.sh equal RECIPE  (the equal-data peer run)
 #   or, after `stage`: bash benchmarks/h200_curve.sh equals "A=RECIPE B=RECIPE"  (equal-data recipes side by side)
+#   or, after `stage`: [REGEN_SECONDS=240] bash benchmarks/h200_curve.sh regen RECIPE  (target-written data, one call)
+#   then, warm:        bash benchmarks/h200_curve.sh same data=human,RECIPE TOKENS  (the same conversations' human answers)
 # Locally: cat the draft-*.tar.* parts, untar, and measure in vLLM with benchmarks/quality.py --draft.
 set -euo pipefail
 R=/root/repo W=/root/lc RET=/root/ret
@@ -72,6 +74,23 @@ equals)  # after `stage`, all in one call: several equal-data recipes side by si
   lc --out $RET --batch-tokens ${BATCH_TOKENS:-8192} --max-length 1024 --phase prepare --regen-conversations 0 \
     --phase parallel --equal-conversations 2000 --equal-epochs 5 --eval-prompts 12 --eval-tokens 160 "${RUNS[@]}"
   lc --out $RET --phase wait --wait-until $((T0 + ${WAIT_SECONDS:-540})) --return best-equal 2>&1 | grep -v "it/s]" | tail -40
+  send ;;
+regen)  # after `stage`, all in one call: the target regenerates training conversations (all turns, greedy,
+  # <= 384 tokens each) for REGEN_SECONDS with the hf engine's fast loop, then RECIPE trains online on its
+  # answers until the deadline; the draft back. The same conversations' ShareGPT answers stay tokenized
+  # in $W (data-human) for a follow-up `one`-style run on the warm machine: `same RECIPE TOKENS`.
+  T0=$(date +%s)
+  setup
+  lc --out $RET --batch-tokens 32768 --max-length 2048 --phase prepare --regen-seconds ${REGEN_SECONDS:-240} \
+    --regen-chunk 1000000 --regen-max-new-tokens 384 \
+    --phase curve --recipe "data=regen,$2" --deadline $((T0 + ${CURVE_SECONDS:-570})) --reserve 35 --probe-steps 20 \
+    --curve-points 8 --ref-points 0 --return curve 2>&1 | grep -v "it/s]" | tee $RET/regen_log.txt | tail -40
+  send ;;
+same)  # after `regen` on the warm machine: RECIPE for TOKENS training tokens on data from $W (data=human: the
+  # regenerated conversations' ShareGPT answers), its draft back
+  mkdir -p $RET && rm -rf $W/train-curve $W/export-curve
+  lc --out $RET --batch-tokens 32768 --max-length 2048 --phase curve --recipe "$2" --curve-tokens "$3" \
+    --curve-points 8 --ref-points 0 --return curve 2>&1 | grep -v "it/s]" | tail -30
   send ;;
 finish)
   lc --out $RET --phase wait --wait-until $(( $(cat /root/deadline) + 30 )) --return best

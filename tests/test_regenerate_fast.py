@@ -193,3 +193,27 @@ def test_kill_9_then_resume_equals_uninterrupted(uninterrupted, conversations, t
     assert "hit the 24-token cap" in res.stderr
     for name in ("messages.jsonl", "failed.jsonl"):
         assert (out / name).read_bytes() == (uninterrupted / name).read_bytes()
+
+
+def test_streamed_turns_equal_turn_by_turn_waves(tiny_target, tmp_path, monkeypatch, capsys):
+    """The hf engine starts a conversation's next turn as soon as its answer is in (conversations that
+    outgrow the short cache are parked and run after with a longer one); the files equal those of
+    running turn k of every conversation together (waves), byte for byte."""
+    from nestling.regenerate.engine import waves
+    from nestling.regenerate.hf_engine import HFEngine as Engine
+
+    rows = [{"id": f"c{i}", "conversations": [
+        {"from": "human", "value": "tell me " * (1 + 25 * (i % 3))}, {"from": "gpt", "value": "old"},
+        {"from": "human", "value": f"and then {i}?"}, {"from": "gpt", "value": "old"},
+        {"from": "human", "value": "more"}, {"from": "gpt", "value": "old"}][: 2 * (1 + i % 3)]} for i in range(7)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = RegenerateSettings(engine="hf", dtype="float32", max_new_tokens=40, chunk_size=100, save_token_ids=True,
+                           hf_batch_size=4, hf_batch_tokens=1024)  # 4 slots x 256 tokens: later turns outgrow it
+    regenerate(src, tiny_target("llama"), tmp_path / "stream", s)
+    assert "running them with a 512-token cache" in capsys.readouterr().err
+    monkeypatch.setattr(Engine, "stream", lambda self, first, follow: waves(self, first, follow))
+    regenerate(src, tiny_target("llama"), tmp_path / "waves", s)
+    streamed = _rows(tmp_path / "stream")
+    assert sum(len(r["completion_token_ids"]) for r in streamed) == 1 + 2 + 3 + 1 + 2 + 3 + 1
+    assert (tmp_path / "stream" / "messages.jsonl").read_bytes() == (tmp_path / "waves" / "messages.jsonl").read_bytes()

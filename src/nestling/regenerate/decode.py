@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,9 @@ class Job:
     prompt: list[int]
     max_tokens: int
     seed: int
+
+
+Follow = Callable[[list[tuple[int, list[int]]]], list["Job"]]  # finished (job index, tokens) -> jobs to add
 
 
 @dataclass
@@ -194,13 +198,27 @@ class Decoder:
 
     def run(self, jobs: list[Job], prefill_tokens: int) -> list[list[int]]:
         """Generated tokens of every job (the end-of-answer token included when it came)."""
-        s, st = self.state, self.stats
         results: list[list[int] | None] = [None] * len(jobs)
+
+        def keep(done: list[tuple[int, list[int]]]) -> list[Job]:
+            for i, tokens in done:
+                results[i] = tokens
+            return []
+
+        self.stream(jobs, prefill_tokens, keep)
+        return results  # type: ignore[return-value]
+
+    def stream(self, jobs: list[Job], prefill_tokens: int, follow: Follow) -> None:
+        """Decode `jobs`; each round, hand the finished ones to `follow` as (job index, tokens) and
+        queue the jobs it returns (indexed after all earlier ones). A conversation's next turn thus
+        starts as soon as its answer is known, instead of waiting for every other conversation's turn."""
+        s, st = self.state, self.stats
+        jobs = list(jobs)
         waiting = deque(sorted(range(len(jobs)), key=lambda i: len(jobs[i].prompt)))  # similar lengths together
         owner: dict[int, int] = {}  # slot -> job index
         free = list(range(self.sm.slots))
         start = last_log = time.monotonic()
-        tokens = 0
+        tokens = answers = 0
         while waiting or owner:
             t0 = time.monotonic()
             if waiting and free:
@@ -225,14 +243,18 @@ class Decoder:
             done = [b for b in owner if not live[b]]
             if done:
                 rows = s.out[torch.tensor(done, device=s.out.device)].tolist()
+                finished = []
                 for b, row in zip(done, rows):
-                    results[owner.pop(b)] = row[: count[b]]
+                    finished.append((owner.pop(b), row[: count[b]]))
                     tokens += count[b]
                     free.append(b)
+                answers += len(finished)
+                for job in follow(finished):
+                    waiting.append(len(jobs))
+                    jobs.append(job)
             st.host_s += time.monotonic() - t2
             if time.monotonic() - last_log > LOG_EVERY_S:
                 last_log = time.monotonic()
-                log(f"[regenerate] hf engine: {len(jobs) - len(waiting) - len(owner)}/{len(jobs)} answers, "
+                log(f"[regenerate] hf engine: {answers} answers, {len(waiting)} waiting, "
                     f"{tokens / (last_log - start):.0f} tok/s ({len(owner)} in {self.sm.slots} slots)")
         st.tokens += tokens
-        return results  # type: ignore[return-value]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Protocol
 
 from nestling.errors import NestlingError
@@ -33,6 +34,10 @@ class Completion:
     detail: str = ""
 
 
+Follow = Callable[[list[tuple[int, "Completion"]]], list[tuple[int, "Request"]]]
+"""Finished (key, completion) pairs -> the (key, request) pairs they lead to (a conversation's next turn)."""
+
+
 class Engine(Protocol):
     name: str
     max_model_len: int | None  # the engine's own limit when it knows one
@@ -40,6 +45,25 @@ class Engine(Protocol):
     def generate(self, requests: list[Request]) -> list[Completion]: ...
 
     def close(self) -> None: ...
+
+
+def waves(engine: Engine, first: list[tuple[int, Request]], follow: Follow) -> None:
+    """Run a chain of requests in waves: all of `first` in one `generate` call, then everything they
+    led to in the next, and so on (for conversations: turn k of all of them at once). Engines that
+    can start a follow-up while other requests still run have their own `stream`."""
+    batch = list(first)
+    while batch:
+        outs = engine.generate([r for _, r in batch])
+        batch = follow([(k, o) for (k, _), o in zip(batch, outs)])
+
+
+def run_chain(engine: Engine, first: list[tuple[int, Request]], follow: Follow) -> None:
+    """`engine.stream` where the engine has one, else `waves`."""
+    stream = getattr(engine, "stream", None)
+    if stream is None:
+        waves(engine, first, follow)
+    else:
+        stream(first, follow)
 
 
 def resolve_engine(s: RegenerateSettings) -> str:

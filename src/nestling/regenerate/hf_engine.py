@@ -13,7 +13,7 @@ from pathlib import Path
 
 from nestling.progress import log
 from nestling.regenerate.decode import WINDOW_STEP, Decoder, Job, Sampling, Stats, cache_length
-from nestling.regenerate.engine import Completion, Request
+from nestling.regenerate.engine import Completion, Follow, Request, waves
 from nestling.regenerate.settings import RegenerateSettings
 
 
@@ -76,13 +76,17 @@ def fast_limits(s: RegenerateSettings, on_cuda: bool, kv_bytes: int, free_bytes:
     return size, tokens
 
 
+def short_length(slots: int, cache_tokens: int) -> int:
+    """The longest cache length (a power of two times WINDOW_STEP) that `slots` slots fit in `cache_tokens`."""
+    return max(WINDOW_STEP, cache_length(max(1, cache_tokens // max(1, slots)) + 1) // 2)
+
+
 def fast_groups(needs: list[int], slots: int, cache_tokens: int) -> list[tuple[list[int], int, int]]:
     """Requests split into at most two runs, (indices, slots, cache length) each: those that fit the
     cache at full slot count, then the longer ones with fewer slots (the cache is slots x length).
     Slots and lengths are powers of two, so successive calls (turns) mostly reuse one decoder and
     its CUDA graphs instead of capturing new ones."""
-    short_len = cache_length(max(1, cache_tokens // max(1, slots)) + 1) // 2  # a cache length (power of two) that fits
-    short_len = max(WINDOW_STEP, short_len)
+    short_len = short_length(slots, cache_tokens)
     parts = [[i for i, n in enumerate(needs) if n <= short_len], [i for i, n in enumerate(needs) if n > short_len]]
     out = []
     for idx in parts:
@@ -159,6 +163,59 @@ class HFEngine:
             for i, gen in zip(idx, gens):
                 out[i] = self._completion(gen, reqs[i].max_tokens)
         return out  # type: ignore[return-value]
+
+    def stream(self, first: list[tuple[int, Request]], follow: Follow) -> None:
+        """Run a chain of requests (conversations' turns): a request that `follow` returns joins the
+        running slots at once. Phases of growing cache length: all that fit the full slot count
+        first; what outgrows it is parked and runs after, with a longer cache and fewer slots."""
+        if not self.fast:
+            waves(self, first, follow)
+            return
+        open_keys = {k for k, _ in first}
+        pending, length = list(first), short_length(self.slots, self.cache_tokens)
+        try:
+            while pending:
+                need = max(len(r.prompt_ids) + r.max_tokens for _, r in pending)
+                if all(len(r.prompt_ids) + r.max_tokens > length for _, r in pending):
+                    length = cache_length(need)  # only long ones left: a longer cache, fewer slots
+                    log(f"[regenerate] hf engine: {len(pending)} requests need up to {need} tokens; "
+                        f"running them with a {length}-token cache")
+                pending = self._phase(pending, length, follow, open_keys)
+        except Exception as e:  # e.g. out of memory: fail what is still open, not the run
+            self.decoder = None
+            failed = [(k, Completion(error="engine_error", detail=f"{type(e).__name__}: {e}"[:500])) for k in open_keys]
+            open_keys.clear()
+            follow(failed)
+
+    def _phase(self, reqs: list[tuple[int, Request]], length: int, follow: Follow,
+               open_keys: set[int]) -> list[tuple[int, Request]]:
+        """Stream the requests that fit `length` (and their follow-ups that fit); return the parked rest."""
+        parked: list[tuple[int, Request]] = []
+        keys: list[int] = []
+        limits: list[int] = []
+
+        def admit(batch: list[tuple[int, Request]]) -> list[Job]:
+            jobs = []
+            for k, r in batch:
+                open_keys.add(k)
+                if len(r.prompt_ids) + r.max_tokens > length:
+                    parked.append((k, r))
+                    continue
+                keys.append(k)
+                limits.append(r.max_tokens)
+                jobs.append(Job(r.prompt_ids, r.max_tokens, r.seed))
+            return jobs
+
+        def on_done(done: list[tuple[int, list[int]]]) -> list[Job]:
+            for i, _ in done:
+                open_keys.discard(keys[i])
+            return admit(follow([(keys[i], self._completion(gen, limits[i])) for i, gen in done]))
+
+        jobs = admit(reqs)
+        slots = max(1, min(1 << (len(jobs) - 1).bit_length(), self.slots, self.cache_tokens // length))
+        with self.torch.inference_mode():
+            self._decoder(slots, length).stream(jobs, 65536 if self.on_cuda else 8192, on_done)
+        return parked
 
     def _completion(self, gen: list[int], max_tokens: int) -> Completion:
         gen = gen[:max_tokens]

@@ -26,7 +26,7 @@ from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, atomic_write_json, hash_file, hash_json, write_manifest
 from nestling.progress import Progress, log
 from nestling.regenerate.chat import assistant_positions, plan, postprocess, render_prompts
-from nestling.regenerate.engine import Engine, Request, make_engine, resolve_engine
+from nestling.regenerate.engine import Completion, Engine, Request, make_engine, resolve_engine, run_chain
 from nestling.regenerate.readers import Record, read_records
 from nestling.regenerate.settings import OUTPUT_FIELDS, RegenerateSettings
 
@@ -43,6 +43,8 @@ class Conv:
     messages: list[dict]
     positions: list[int]
     sample: int = 0
+    turn: int = 0  # the next assistant turn to generate
+    key: int = 0  # index in its chunk (how engines name its requests)
     token_ids: list[list[int]] = field(default_factory=list)
     failed: tuple[str, str] | None = None
 
@@ -67,6 +69,53 @@ def _ident(rec: Record, sample: int, n: int) -> dict:
     return {"id": rec.id, "source_index": rec.source_index, **({"sample": sample} if n > 1 else {})}
 
 
+@dataclass
+class Turns:
+    """A chunk's conversations as a chain of requests: each finished answer is written into its
+    conversation, whose next turn is then rendered on the history so far and asked for. Engines
+    run the chain in waves (turn k of every conversation at once) or, the hf engine, as a stream."""
+
+    convs: list[Conv]
+    tokenizer: object
+    s: RegenerateSettings
+    max_len: int
+    res: ChunkResult
+    progress: Progress | None
+
+    def ask(self, convs: list[Conv]) -> list[tuple[int, Request]]:
+        """Each conversation's next request (prompts rendered in one batch); a prompt at or over the
+        length limit fails its conversation."""
+        s, out = self.s, []
+        prompts = render_prompts(self.tokenizer, [c.messages[:c.positions[c.turn]] for c in convs], s.reasoning)
+        for c, ids in zip(convs, prompts):
+            if len(ids) >= self.max_len:
+                c.failed = ("context_overflow", f"assistant turn {c.turn}: prompt is {len(ids)} tokens, "
+                                                f"max_model_len is {self.max_len}")
+                continue
+            out.append((c.key, Request(ids, min(s.max_new_tokens, self.max_len - len(ids)),
+                                       _seed(s, c.rec, c.turn, c.sample))))
+        return out
+
+    def follow(self, done: list[tuple[int, Completion]]) -> list[tuple[int, Request]]:
+        nxt, res = [], self.res
+        for key, out in done:
+            c = self.convs[key]
+            if out.error:
+                c.failed = (out.error, f"assistant turn {c.turn}: {out.detail}")
+                continue
+            c.messages[c.positions[c.turn]]["content"] = postprocess(out.text, self.s.reasoning)
+            c.token_ids.append(out.token_ids or [])
+            res.output_tokens += out.num_tokens
+            res.turns += 1
+            res.truncated_turns += out.finish_reason == "length"
+            c.turn += 1
+            if c.turn < len(c.positions):
+                nxt.append(c)
+        if self.progress is not None:
+            self.progress.update(0, tokens=sum(o.num_tokens for _, o in done))
+        return self.ask(nxt)
+
+
 def run_chunk(records: list[Record], engine: Engine, tokenizer, s: RegenerateSettings, max_len: int,
               progress: Progress | None = None) -> ChunkResult:
     res = ChunkResult([], [], Counter())
@@ -85,29 +134,9 @@ def run_chunk(records: list[Record], engine: Engine, tokenizer, s: RegenerateSet
                                 "reason": "no_assistant_turn", "detail": "no assistant turn after a user turn"})
             res.counts["skipped:no_assistant_turn"] += 1
             continue
-        convs.append(Conv(rec, msgs, assistant_positions(msgs), k))
-    for turn in range(max((len(c.positions) for c in convs), default=0)):
-        batch: list[tuple[Conv, Request]] = []
-        due = [c for c in convs if not c.failed and turn < len(c.positions)]
-        prompts = render_prompts(tokenizer, [c.messages[:c.positions[turn]] for c in due], s.reasoning)
-        for c, ids in zip(due, prompts):
-            if len(ids) >= max_len:
-                c.failed = ("context_overflow", f"assistant turn {turn}: prompt is {len(ids)} tokens, "
-                                                f"max_model_len is {max_len}")
-                continue
-            batch.append((c, Request(ids, min(s.max_new_tokens, max_len - len(ids)), _seed(s, c.rec, turn, c.sample))))
-        outs = engine.generate([r for _, r in batch])
-        for (c, _), out in zip(batch, outs):
-            if out.error:
-                c.failed = (out.error, f"assistant turn {turn}: {out.detail}")
-                continue
-            c.messages[c.positions[turn]]["content"] = postprocess(out.text, s.reasoning)
-            c.token_ids.append(out.token_ids or [])
-            res.output_tokens += out.num_tokens
-            res.turns += 1
-            res.truncated_turns += out.finish_reason == "length"
-        if progress is not None:
-            progress.update(0, tokens=sum(o.num_tokens for o in outs), turn=turn)
+        convs.append(Conv(rec, msgs, assistant_positions(msgs), k, key=len(convs)))
+    turns = Turns(convs, tokenizer, s, max_len, res, progress)
+    run_chain(engine, turns.ask(convs), turns.follow)
     for c in convs:
         if c.failed:
             reason, detail = c.failed
