@@ -52,7 +52,7 @@ def _assert_equals_generate(engine: HFEngine, reqs: list[Request]) -> list:
     return got
 
 
-@pytest.mark.parametrize("arch,attention", [("llama", "sdpa"), ("qwen3", "sdpa"), ("llama", "matmul")])  # qwen3: q/k norms, tied embeddings
+@pytest.mark.parametrize("arch,attention", [("llama", "matmul"), ("qwen3", "matmul"), ("llama", "sdpa")])  # qwen3: q/k norms, tied embeddings
 def test_fast_greedy_equals_generate_on_a_tiny_model_with_refills(arch, attention, tiny_target, capsys):
     engine = HFEngine(tiny_target(arch), RegenerateSettings(engine="hf", hf_batch_size=3, max_new_tokens=9,
                                                             hf_attention=attention))
@@ -196,7 +196,7 @@ def test_kill_9_then_resume_equals_uninterrupted(uninterrupted, conversations, t
 
 
 def test_streamed_turns_equal_turn_by_turn_waves(tiny_target, tmp_path, monkeypatch, capsys):
-    """The hf engine starts a conversation's next turn as soon as its answer is in (conversations that
+    """With hf_stream the hf engine starts a conversation's next turn as soon as its answer is in (conversations that
     outgrow the short cache are parked and run after with a longer one); the files equal those of
     running turn k of every conversation together (waves), byte for byte."""
     from nestling.regenerate.engine import waves
@@ -209,7 +209,7 @@ def test_streamed_turns_equal_turn_by_turn_waves(tiny_target, tmp_path, monkeypa
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     s = RegenerateSettings(engine="hf", dtype="float32", max_new_tokens=40, chunk_size=100, save_token_ids=True,
-                           hf_batch_size=4, hf_batch_tokens=1024)  # 4 slots x 256 tokens: later turns outgrow it
+                           hf_batch_size=4, hf_batch_tokens=1024, hf_stream=True)  # 4 slots x 256 tokens: later turns outgrow it
     regenerate(src, tiny_target("llama"), tmp_path / "stream", s)
     assert "running them with a 512-token cache" in capsys.readouterr().err
     monkeypatch.setattr(Engine, "stream", lambda self, first, follow: waves(self, first, follow))

@@ -104,7 +104,7 @@ class Decoder:
 
     def __init__(self, model, eos: list[int], pad: int, sampling: Sampling, slots: int, length: int,
                  max_new: int, sync_every: int, graphs: bool, stats: Stats | None = None,
-                 attention: str = "sdpa"):
+                 attention: str = "matmul"):
         self.sm = StaticModel(model, slots, length, attention)
         dev = self.sm.k.device
         self.state = Slots(slots, max_new, dev)

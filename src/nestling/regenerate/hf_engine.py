@@ -167,8 +167,9 @@ class HFEngine:
     def stream(self, first: list[tuple[int, Request]], follow: Follow) -> None:
         """Run a chain of requests (conversations' turns): a request that `follow` returns joins the
         running slots at once. Phases of growing cache length: all that fit the full slot count
-        first; what outgrows it is parked and runs after, with a longer cache and fewer slots."""
-        if not self.fast:
+        first; what outgrows it is parked and runs after, with a longer cache and fewer slots.
+        Off by default (`hf_stream`): on ShareGPT it was slower than turn-by-turn waves (docs/regenerate.md)."""
+        if not (self.fast and self.s.hf_stream):
             waves(self, first, follow)
             return
         open_keys = {k for k, _ in first}

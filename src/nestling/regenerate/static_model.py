@@ -35,7 +35,7 @@ def unsupported_reason(model) -> str | None:
 class StaticModel:
     """The model's decoder layers run one token per row against a static per-layer KV cache."""
 
-    def __init__(self, model, slots: int, length: int, attention: str = "sdpa"):
+    def __init__(self, model, slots: int, length: int, attention: str = "matmul"):
         if attention not in ATTENTION:
             raise ValueError(f"attention={attention!r}: one of {', '.join(ATTENTION)}")
         self.attention = attention
