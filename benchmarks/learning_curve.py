@@ -134,7 +134,7 @@ def regen(b: Bench, name: str, src: Path, limit: int, max_turns: int, max_new: i
 
 
 def tokenize(b: Bench, name: str, src: Path | list[Path], max_length: int, limit: int | None = None, **kw) -> Path:
-    from nestling.data.prepare import prepare_data
+    from nestling.data.run import prepare_data
     from nestling.data.settings import DataSettings
 
     out = b.w / name

@@ -78,7 +78,7 @@ def main() -> None:
 
     from nestling.capture.run import capture
     from nestling.capture.settings import CaptureSettings
-    from nestling.data.prepare import prepare_data
+    from nestling.data.run import prepare_data
     from nestling.data.settings import DataSettings
     from nestling.evaluate.run import evaluate
     from nestling.evaluate.settings import EvalSettings

@@ -78,7 +78,7 @@ def data_inputs(ctx: StageContext) -> list[str]:
 
 
 def _data(ctx: StageContext) -> Any:
-    return _call("nestling.data.prepare:prepare_data", data_inputs(ctx), ctx.target, ctx.out, ctx.settings)
+    return _call("nestling.data.run:prepare_data", data_inputs(ctx), ctx.target, ctx.out, ctx.settings)
 
 
 def _capture(ctx: StageContext) -> Any:

@@ -298,7 +298,7 @@ def tokenizer_files_fingerprint(target: str | Path) -> str:
 
 
 # Bump when tokenizer_fingerprint changes what it covers: a data folder whose manifest records an older
-# version was fingerprinted differently, and is redone instead of being compared (data.prepare).
+# version was fingerprinted differently, and is redone instead of being compared (data/run.py).
 TOKENIZER_FINGERPRINT_VERSION = 2
 
 
