@@ -84,7 +84,7 @@ def main() -> None:
     from nestling.evaluate.settings import EvalSettings
     from nestling.export.run import export
     from nestling.outdir import free_bytes
-    from nestling.train.loop import train
+    from nestling.train.run import train
     from nestling.train.settings import TrainSettings
 
     t_all = time.monotonic()

@@ -110,7 +110,7 @@ import nestling
 from nestling.errors import NestlingError
 from nestling.stage import resolve
 expected = {"prepare_data": "nestling.data.run", "capture": "nestling.capture.run",
-            "train": "nestling.train.loop", "export": "nestling.export.run",
+            "train": "nestling.train.run", "export": "nestling.export.run",
             "evaluate": "nestling.evaluate.run", "regenerate": "nestling.regenerate.run", "run": "nestling.pipeline.run"}
 for sub in ("nestling.capture.run", "nestling.train.data", "nestling.export.contract", "nestling.regenerate.chat",
             "nestling.evaluate.run", "nestling.data.run", "nestling.pipeline"):

@@ -12,7 +12,7 @@ from capture_fixture import cached_capture, make_capture, one_thread, threads  #
 from safetensors.torch import load_file, save_file
 
 from nestling.errors import NestlingError
-from nestling.train.loop import train
+from nestling.train.run import train
 from nestling.train.settings import TrainSettings
 
 TINY = dict(batch_tokens=64, draft_vocab_size=100, ttt_steps=3, lr=3e-3, progress_interval=100.0)
@@ -99,7 +99,7 @@ def test_teacher_chunks_equal_full_head():
 def test_lm_head_init_target_or_random(capture):
     from nestling.train.head import read_head
     from nestling.train.inputs import check_inputs, make_vocab
-    from nestling.train.loop import build_draft
+    from nestling.train.build import build_draft
     from nestling.draft.model import DraftConfig
     from nestling.draft.vocab import draft_ids_to_target
 
