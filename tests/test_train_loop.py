@@ -252,3 +252,40 @@ def test_a_capture_of_the_pre_norm_final_state_is_refused(capture, tmp_path):
     with pytest.raises(NestlingError, match="post-norm final state"):
         train(cap, tmp_path / "train", TrainSettings(steps=1, **TINY))
     assert not (tmp_path / "train" / "manifest.json").exists()
+
+
+def test_a_target_without_a_final_norm_tensor_trains_and_vllm_capture_refuses_it(capture, tiny_target, tmp_path):
+    """The trainer reads only the target's embedding and lm_head (the capture stores the post-norm final
+    state), so a target whose checkpoint has no final norm tensor still trains; the vllm capture backend,
+    which applies the final norm itself, refuses it with a clear error."""
+    from nestling.capture.vllm import final_norm
+    from nestling.targets.load import target_fingerprint
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target("llama"), target)
+    (weights,) = target.glob("*.safetensors")
+    t = load_file(str(weights))
+    del t["model.norm.weight"]
+    save_file(t, str(weights), metadata={"format": "pt"})
+    cap = tmp_path / "capture"  # the standard capture, recorded as made from the norm-less copy
+    shutil.copytree(capture, cap)
+    m = json.loads((cap / "manifest.json").read_text())
+    m["inputs"]["target"], m["target"] = target_fingerprint(target), str(target)
+    (cap / "manifest.json").write_text(json.dumps(m))
+    out = train(cap, tmp_path / "train", TrainSettings(**{**TINY, "steps": 2}))
+    assert out["steps"] == 2 and (tmp_path / "train" / "model.safetensors").exists()
+    with pytest.raises(NestlingError, match="no final norm weight"):
+        final_norm(target, json.loads((target / "config.json").read_text()))
+
+
+def test_a_target_without_an_embedding_tensor_is_refused_by_name(tiny_target, tmp_path):
+    from nestling.train.head import read_head
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target("llama"), target)
+    (weights,) = target.glob("*.safetensors")
+    t = load_file(str(weights))
+    del t["model.embed_tokens.weight"]
+    save_file(t, str(weights), metadata={"format": "pt"})
+    with pytest.raises(NestlingError, match="cannot find the embedding tensor .*model.embed_tokens.weight"):
+        read_head(target, 49152, 128)
