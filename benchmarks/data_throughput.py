@@ -53,7 +53,7 @@ def main() -> None:
 
     from nestling.assets import sharegpt_json, smollm2_dir
     from nestling.data.headstart import match_record
-    from nestling.data.prepare import prepare_data
+    from nestling.data.run import prepare_data
     from nestling.data.settings import DataSettings
     from nestling.targets.load import resolve_target
 

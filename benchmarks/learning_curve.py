@@ -134,7 +134,7 @@ def regen(b: Bench, name: str, src: Path, limit: int, max_turns: int, max_new: i
 
 
 def tokenize(b: Bench, name: str, src: Path | list[Path], max_length: int, limit: int | None = None, **kw) -> Path:
-    from nestling.data.prepare import prepare_data
+    from nestling.data.run import prepare_data
     from nestling.data.settings import DataSettings
 
     out = b.w / name
@@ -244,7 +244,7 @@ def fresh(out: Path) -> Path:
 
 
 def train_variant(b: Bench, name: str, over: dict, **kw) -> dict:
-    from nestling.train.loop import train
+    from nestling.train.run import train
 
     out = fresh(b.w / f"train-{name}")
     s = settings(b, over, **kw)
@@ -321,7 +321,7 @@ def equal(b: Bench) -> None:
     train_path = b.w / "split" / "train.json"
     dd = tokenize(b, f"data-equal-{a.equal_conversations}", train_path, 1024, limit=a.equal_conversations,
                   **({"rows": recipe(b)["rows"]} if "rows" in recipe(b) else {}))
-    from nestling.train.loop import train
+    from nestling.train.run import train
 
     out = fresh(b.w / "train-equal")
     s = settings(b, over, epochs=a.equal_epochs)
@@ -337,7 +337,7 @@ def equal(b: Bench) -> None:
 def probe_rate(b: Bench, over: dict) -> float:
     """Training tokens/s of these settings on this device, as loaded now (other runs sharing the GPU
     included): a short run whose progress rows give the rate after its first rows (warm-up)."""
-    from nestling.train.loop import train
+    from nestling.train.run import train
 
     out = b.w / "probe"
     if out.exists():
@@ -372,7 +372,7 @@ def curve(b: Bench) -> None:
     total = max(1, math.ceil(curve_tokens(b, over) / (a.batch_tokens * over.get("grad_accum", 1))))
     every = max(1, total // a.curve_points)
     ck_every = max(1, total // a.ref_points) if a.ref_points else total  # 0: no decodes here
-    from nestling.train.loop import train
+    from nestling.train.run import train
     from nestling.train.checkpoint import list_checkpoints
 
     out = fresh(b.w / "train-curve")

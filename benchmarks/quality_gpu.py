@@ -78,13 +78,13 @@ def main() -> None:
 
     from nestling.capture.run import capture
     from nestling.capture.settings import CaptureSettings
-    from nestling.data.prepare import prepare_data
+    from nestling.data.run import prepare_data
     from nestling.data.settings import DataSettings
     from nestling.evaluate.run import evaluate
     from nestling.evaluate.settings import EvalSettings
     from nestling.export.run import export
     from nestling.outdir import free_bytes
-    from nestling.train.loop import train
+    from nestling.train.run import train
     from nestling.train.settings import TrainSettings
 
     t_all = time.monotonic()

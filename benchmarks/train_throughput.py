@@ -64,7 +64,7 @@ TARGET_LAYERS = {"llama8b": 32, "smollm2": 30, "tiny": 8}  # --online: decoder l
 
 def build(shape: str, draft_vocab: int, K: int, device: torch.device, attention: str):
     from nestling.draft.model import DraftConfig, Eagle3Draft
-    from nestling.train.loop import TTTObjective
+    from nestling.train.objective import TTTObjective
     from nestling.train.ttt import attention_backend
 
     sh = dict(SHAPES[shape])

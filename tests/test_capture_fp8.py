@@ -106,7 +106,7 @@ def test_verify_passes_good_fp8_store_and_catches_bad_scales_and_nans(stores, tm
 
 
 def test_train_runs_from_fp8_store(stores, tmp_path):
-    from nestling.train.loop import train
+    from nestling.train.run import train
     from nestling.train.settings import TrainSettings
 
     _, _, _, fp8 = stores

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nestling.data.prepare import prepare_data
+from nestling.data.run import prepare_data
 from nestling.data.readers import error_reason, read_input
 from nestling.data.settings import DataSettings
 from nestling.errors import NestlingError

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from nestling.data.dataset import load_samples
-from nestling.data.prepare import prepare_data
+from nestling.data.run import prepare_data
 from nestling.data.settings import DataSettings
 
 THREE = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello! How can I help?"},

@@ -23,7 +23,7 @@ import pytest
 
 from nestling.data.chat import FileTokenizer, chat_format, encode_conversations, format_key
 from nestling.data.normalize import normalize_record
-from nestling.data.prepare import prepare_data
+from nestling.data.run import prepare_data
 from nestling.data.readers import read_input
 from nestling.data.settings import DataSettings
 
@@ -85,7 +85,7 @@ def test_head_start_is_discarded_when_autotokenizer_differs(tmp_path, qwen2_targ
 
 RUN = """
 import json, sys
-from nestling.data.prepare import prepare_data
+from nestling.data.run import prepare_data
 from nestling.data.settings import DataSettings
 m = prepare_data([sys.argv[1]], sys.argv[2], sys.argv[3], DataSettings(limit=int(sys.argv[4]), max_length=512, workers=2))
 print(json.dumps({"torch": "torch" in sys.modules, "autotokenizer": "transformers.models.auto" in sys.modules}))

@@ -109,11 +109,11 @@ import importlib, inspect
 import nestling
 from nestling.errors import NestlingError
 from nestling.stage import resolve
-expected = {"prepare_data": "nestling.data.prepare", "capture": "nestling.capture.run",
-            "train": "nestling.train.loop", "export": "nestling.export.run",
+expected = {"prepare_data": "nestling.data.run", "capture": "nestling.capture.run",
+            "train": "nestling.train.run", "export": "nestling.export.run",
             "evaluate": "nestling.evaluate.run", "regenerate": "nestling.regenerate.run", "run": "nestling.pipeline.run"}
 for sub in ("nestling.capture.run", "nestling.train.data", "nestling.export.contract", "nestling.regenerate.chat",
-            "nestling.evaluate.run", "nestling.data.prepare", "nestling.pipeline"):
+            "nestling.evaluate.run", "nestling.data.run", "nestling.pipeline"):
     importlib.import_module(sub)
 import nestling.capture.run as run_module
 for name, module in expected.items():

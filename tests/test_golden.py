@@ -107,7 +107,7 @@ def capture_dir(data, target, tmp_path_factory) -> Path:
 
 
 def _train(src: Path, out: Path, **kw) -> Path:
-    from nestling.train.loop import train
+    from nestling.train.run import train
     from nestling.train.settings import TrainSettings
 
     with threads(1):

@@ -12,7 +12,7 @@ from capture_fixture import cached_capture, make_capture, one_thread, threads  #
 from safetensors.torch import load_file, save_file
 
 from nestling.errors import NestlingError
-from nestling.train.loop import train
+from nestling.train.run import train
 from nestling.train.settings import TrainSettings
 
 TINY = dict(batch_tokens=64, draft_vocab_size=100, ttt_steps=3, lr=3e-3, progress_interval=100.0)
@@ -99,7 +99,7 @@ def test_teacher_chunks_equal_full_head():
 def test_lm_head_init_target_or_random(capture):
     from nestling.train.head import read_head
     from nestling.train.inputs import check_inputs, make_vocab
-    from nestling.train.loop import build_draft
+    from nestling.train.build import build_draft
     from nestling.draft.model import DraftConfig
     from nestling.draft.vocab import draft_ids_to_target
 
@@ -252,3 +252,40 @@ def test_a_capture_of_the_pre_norm_final_state_is_refused(capture, tmp_path):
     with pytest.raises(NestlingError, match="post-norm final state"):
         train(cap, tmp_path / "train", TrainSettings(steps=1, **TINY))
     assert not (tmp_path / "train" / "manifest.json").exists()
+
+
+def test_a_target_without_a_final_norm_tensor_trains_and_vllm_capture_refuses_it(capture, tiny_target, tmp_path):
+    """The trainer reads only the target's embedding and lm_head (the capture stores the post-norm final
+    state), so a target whose checkpoint has no final norm tensor still trains; the vllm capture backend,
+    which applies the final norm itself, refuses it with a clear error."""
+    from nestling.capture.vllm import final_norm
+    from nestling.targets.load import target_fingerprint
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target("llama"), target)
+    (weights,) = target.glob("*.safetensors")
+    t = load_file(str(weights))
+    del t["model.norm.weight"]
+    save_file(t, str(weights), metadata={"format": "pt"})
+    cap = tmp_path / "capture"  # the standard capture, recorded as made from the norm-less copy
+    shutil.copytree(capture, cap)
+    m = json.loads((cap / "manifest.json").read_text())
+    m["inputs"]["target"], m["target"] = target_fingerprint(target), str(target)
+    (cap / "manifest.json").write_text(json.dumps(m))
+    out = train(cap, tmp_path / "train", TrainSettings(**{**TINY, "steps": 2}))
+    assert out["steps"] == 2 and (tmp_path / "train" / "model.safetensors").exists()
+    with pytest.raises(NestlingError, match="no final norm weight"):
+        final_norm(target, json.loads((target / "config.json").read_text()))
+
+
+def test_a_target_without_an_embedding_tensor_is_refused_by_name(tiny_target, tmp_path):
+    from nestling.train.head import read_head
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target("llama"), target)
+    (weights,) = target.glob("*.safetensors")
+    t = load_file(str(weights))
+    del t["model.embed_tokens.weight"]
+    save_file(t, str(weights), metadata={"format": "pt"})
+    with pytest.raises(NestlingError, match="cannot find the embedding tensor .*model.embed_tokens.weight"):
+        read_head(target, 49152, 128)

@@ -12,7 +12,7 @@ from capture_fixture import cached_capture, one_thread  # noqa: F401 (autouse fi
 from safetensors.torch import load_file
 
 from nestling.errors import NestlingError
-from nestling.train.loop import train
+from nestling.train.run import train
 from nestling.train.settings import TrainSettings
 
 TINY = dict(batch_tokens=64, draft_vocab_size=100, ttt_steps=3, lr=3e-3, progress_interval=100.0, log_every=1)
@@ -28,7 +28,7 @@ def _initial_draft(capture, s: TrainSettings):
     from nestling.draft.model import DraftConfig
     from nestling.train.head import read_head
     from nestling.train.inputs import check_inputs, make_vocab
-    from nestling.train.loop import build_draft
+    from nestling.train.build import build_draft
 
     inp = check_inputs(capture, s)
     d2t, t2d = make_vocab(inp, s, capture / "nowhere", 49152)
@@ -109,7 +109,7 @@ def test_resume_is_exact_with_muon_noise_and_a_frozen_head(capture, tmp_path):
 
 
 def test_noise_is_uniform_derived_from_seed_and_microbatch_and_training_only(capture):
-    from nestling.train.loop import TTTObjective
+    from nestling.train.objective import TTTObjective
     from nestling.train.loss import supervised_counts, teacher
     from nestling.train.noise import add_uniform_noise, microbatch_seed
 

@@ -17,7 +17,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _API = {
-    "prepare_data": "nestling.data.prepare:prepare_data",
+    "prepare_data": "nestling.data.run:prepare_data",
     "capture": "nestling.capture",
     "train": "nestling.train",
     "export": "nestling.export",

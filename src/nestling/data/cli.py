@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     if args.inputs[0] == "inspect":
         return run_inspect(args)
     from nestling.config import load_settings
-    from nestling.data.prepare import prepare_data
+    from nestling.data.run import prepare_data
     from nestling.data.settings import DataSettings
 
     inputs = [a for a in args.inputs if not ("=" in a and not Path(a).exists())]

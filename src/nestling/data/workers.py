@@ -2,7 +2,7 @@
 
 A worker normalizes, renders, tokenizes and length-limits a span of CHUNK records of the shared
 record list (`STATE`). Results come back in input order, so the output does not depend on the
-number of workers. Both the ordinary run (prepare.py) and the head start (headstart.py) use it.
+number of workers. Both the ordinary run (run.py) and the head start (headstart.py) use it.
 """
 
 from __future__ import annotations

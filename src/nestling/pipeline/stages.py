@@ -78,7 +78,7 @@ def data_inputs(ctx: StageContext) -> list[str]:
 
 
 def _data(ctx: StageContext) -> Any:
-    return _call("nestling.data.prepare:prepare_data", data_inputs(ctx), ctx.target, ctx.out, ctx.settings)
+    return _call("nestling.data.run:prepare_data", data_inputs(ctx), ctx.target, ctx.out, ctx.settings)
 
 
 def _capture(ctx: StageContext) -> Any:
@@ -88,9 +88,9 @@ def _capture(ctx: StageContext) -> Any:
 def _train(ctx: StageContext) -> Any:
     # The pipeline wipes the folder when the key changed, so whatever checkpoint is there is ours.
     if ctx.settings.online is True:  # the target runs in the loop on the data stage's tokens
-        return _call("nestling.train.loop:train", ctx.dir("data"), ctx.out,
+        return _call("nestling.train.run:train", ctx.dir("data"), ctx.out,
                      dataclasses.replace(ctx.settings, target=ctx.settings.target or ctx.target), resume=True)
-    return _call("nestling.train.loop:train", ctx.dir("capture"), ctx.out, ctx.settings, resume=True)
+    return _call("nestling.train.run:train", ctx.dir("capture"), ctx.out, ctx.settings, resume=True)
 
 
 def train_mode(config: Any, target: str) -> tuple[Any, str | None]:

@@ -6,8 +6,8 @@ way everywhere: a compressed-tensors folder (`quantization_config.quant_method` 
 W4A16 pack-quantized, W8A16 / W8A8 int or FP8) is dequantized to dense weights at load
 (`quantized_load_kwargs`).
 
-Stages that need only a few tensors (the trainer needs embedding, lm_head and final norm) read
-them straight from the safetensors files, never the whole model.
+Stages that need only a few tensors (the trainer needs the embedding and lm_head; the vllm capture
+backend the final norm) read them straight from the safetensors files, never the whole model.
 """
 
 from __future__ import annotations
@@ -259,22 +259,26 @@ def read_tensors(target: str | Path, names: list[str]) -> dict:
 
 
 def head_tensor_names(target: str | Path) -> dict[str, str]:
-    """Names of the embedding, lm_head and final norm in the target's checkpoint (lm_head may be tied)."""
+    """Names of the embedding and lm_head in the target's checkpoint (lm_head may be tied): the two
+    tensors the trainer reads. The final norm is not among them (every capture stores the post-norm
+    final state); the vllm capture backend, which applies it, finds it itself (capture/vllm.py)."""
     wmap = _weight_map(resolve_target(target))
     def pick(*cands: str) -> str | None:
         return next((c for c in cands if c in wmap), None) or next(
             (k for k in wmap for c in cands if k.endswith(c.split("model.", 1)[-1]) and "layers" not in k), None)
-    embed = pick("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
-    norm = pick("model.norm.weight", "model.language_model.norm.weight")
+    embed_names = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+    embed = pick(*embed_names)
     lm_head = pick("lm_head.weight") or embed
     quantized = [k for k in wmap if k.startswith("lm_head.weight_") or (embed and k.startswith(embed + "_"))]
     if quantized:  # read raw, a packed or FP8 head is garbage (or, with lm_head.weight absent, silently the embedding)
         raise NestlingError(f"target {target} stores a quantized lm_head or embedding ({quantized[0]}); "
                             "the trainer reads those tensors dense: use a checkpoint that leaves them unquantized "
                             "(compressed-tensors `ignore: [lm_head]`, as quantized releases do)")
-    if embed is None or norm is None:
-        raise NestlingError(f"cannot find embedding / final norm tensors in {target}")
-    return {"embed": embed, "lm_head": lm_head, "norm": norm}
+    if embed is None:
+        raise NestlingError(f"cannot find the embedding tensor in {target} (looked for {', '.join(embed_names)} and "
+                            "names ending in embed_tokens.weight): the trainer reads the embedding from the target's "
+                            "safetensors files, so the target must store it under one of these names")
+    return {"embed": embed, "lm_head": lm_head}
 
 
 def target_fingerprint(target: str | Path) -> str:
@@ -298,7 +302,7 @@ def tokenizer_files_fingerprint(target: str | Path) -> str:
 
 
 # Bump when tokenizer_fingerprint changes what it covers: a data folder whose manifest records an older
-# version was fingerprinted differently, and is redone instead of being compared (data.prepare).
+# version was fingerprinted differently, and is redone instead of being compared (data/run.py).
 TOKENIZER_FINGERPRINT_VERSION = 2
 
 

@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from nestling.train.loop import train
+    from nestling.train.run import train
     from nestling.train.settings import TrainSettings
 
     s = load_settings(TrainSettings, args.config, args.overrides, epochs=args.epochs, steps=args.steps,

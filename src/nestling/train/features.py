@@ -202,7 +202,7 @@ def dataset(inp: "Inputs", split: str):
 
 def key_extra(inp: "Inputs", s: "TrainSettings", device: torch.device) -> dict:
     """What an online run adds to the resume key: the data manifest (in place of the capture's, see
-    loop._config_key), the layers and dtype the target runs with, and the marker itself, so an online
+    plan._config_key), the layers and dtype the target runs with, and the marker itself, so an online
     checkpoint never resumes an offline run or the reverse. Offline keys are unchanged."""
     if inp.online is None:
         return {}

@@ -7,6 +7,7 @@ would need a synchronize per step and slow the very loop it measures.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -44,3 +45,16 @@ class Stopwatch:
             total += sum(a.elapsed_time(b) for a, b in self._events) / 1000
             self._events = []
         return total
+
+
+@dataclass
+class Clocks:
+    """Seconds in the target forward (online) and in the draft's steps, reported per log interval."""
+
+    target: Stopwatch
+    draft: Stopwatch
+    online: bool
+
+    def take(self) -> dict:
+        t_s, d_s = self.target.take(), self.draft.take()
+        return {"draft_s": d_s, **({"target_s": t_s, "target_share": t_s / max(t_s + d_s, 1e-9)} if self.online else {})}

@@ -235,4 +235,4 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
     return manifest
 
 
-__all__ = ["prepare_data", "DataSettings", "heldout_of"]
+__all__ = ["prepare_data", "heldout_of"]
