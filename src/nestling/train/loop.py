@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from nestling.config import to_dict
-from nestling.draft.model import DraftConfig, Eagle3Draft
+from nestling.draft.model import NORM_OPTIONS, DraftConfig, Eagle3Draft
 from nestling.draft.vocab import draft_ids_to_target, save_vocab
 from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, hash_bytes, hash_json, read_manifest, write_manifest
@@ -38,7 +38,7 @@ from nestling.train.loss import simulated_acceptance_length, supervised_counts, 
 from nestling.train.metrics import MetricsLog, plot, ttt_metrics
 from nestling.train.noise import add_uniform_noise, microbatch_seed
 from nestling.train.optim import Optimizers, build_optimizer
-from nestling.train.settings import TrainSettings, resolve_lr
+from nestling.train.settings import NORM_SETTING_PREFIX, TrainSettings, draft_norms, resolve_lr
 from nestling.train.timing import Stopwatch
 from nestling.train.ttt import PackedBatch, attention_backend, ttt_hidden
 
@@ -104,13 +104,19 @@ def _config_key(cfg: DraftConfig, d2t: torch.Tensor, inp: Inputs, s: TrainSettin
                 device: torch.device, lr: float) -> str:
     """What decides the trajectory; a checkpoint resumes only under the same key (`lr`: the one used,
     given or derived)."""
-    traj = {k: v for k, v in {**to_dict(s), "lr": lr}.items() if k not in (
+    return hash_json({"draft": cfg.key_fields(), "vocab": hash_bytes(d2t.numpy().tobytes()), "target": inp.target_fp,
+                      "capture": hash_json(inp.manifest), "settings": trajectory_settings(s, lr), "total_steps": total,
+                      "global_microbatches": world * s.grad_accum, **features.key_extra(inp, s, device)})
+
+
+def trajectory_settings(s: TrainSettings, lr: float) -> dict:
+    """The settings that decide the trajectory (the key's part). Draft norm settings that are off are
+    left out, so that runs and checkpoints from before those settings existed keep their key."""
+    norm_settings = {NORM_SETTING_PREFIX + k for k in NORM_OPTIONS}
+    return {k: v for k, v in {**to_dict(s), "lr": lr}.items() if k not in (
         "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches", "log_every", "progress_interval",
         "device", "attention", "compile", "parallel", "teacher_chunk", "target", "vocab", "grad_accum", "steps",
-        "epochs", "online", "target_dtype", "heldout_data")}
-    return hash_json({"draft": asdict(cfg), "vocab": hash_bytes(d2t.numpy().tobytes()), "target": inp.target_fp,
-                      "capture": hash_json(inp.manifest), "settings": traj, "total_steps": total,
-                      "global_microbatches": world * s.grad_accum, **features.key_extra(inp, s, device)})
+        "epochs", "online", "target_dtype", "heldout_data") and not (k in norm_settings and not v)}
 
 
 @dataclass
@@ -137,7 +143,8 @@ def plan_run(inp: Inputs, s: TrainSettings, out: Path, d: dist.Dist, device: tor
     V, H = int(text.vocab_size), int(text.hidden_size)
     d2t, t2d = make_vocab(inp, s, out, V)
     cfg = DraftConfig.from_target(inp.hf_config, int(d2t.numel()), inp.aux_layer_ids, target=str(inp.target),
-                                  target_fingerprint=inp.target_fp, num_hidden_layers=s.draft_layers)
+                                  target_fingerprint=inp.target_fp, num_hidden_layers=s.draft_layers,
+                                  **draft_norms(s))
     if s.intermediate_size:
         cfg.intermediate_size = s.intermediate_size
     G = d.world * s.grad_accum
