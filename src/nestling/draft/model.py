@@ -10,15 +10,15 @@ names equal to the export contract.
     logits = lm_head(norm(h_{N-1}))                          (over the draft vocabulary)
 
 The last layer's pre-norm h feeds the next draft step (vLLM 0.32 `llama_eagle3.py`: `num_hidden_layers`
-layers, only layer 0 reads the embedding, the model returns the pre-norm sum).
+layers, only layer 0 reads the embedding, the model returns the pre-norm sum). Layer 0 is `midlayer`,
+later layers `layers.1` ... `layers.N-1` (the export renames `midlayer` to `layers.0` when N > 1).
 
 Optional norms, off by default, each a key of the exported config.json that vLLM 0.32 reads
 (`llama_eagle3.py`; the names are vLLM's, see NORM_OPTIONS):
     fc_norm               g = fc(concat(fc_norm.0(a1), fc_norm.1(a2), ...))   (one RMSNorm per aux state)
     norm_output           the next step reads norm(h_{N-1}) instead of h_{N-1} (post-norm feedback)
     norm_before_residual  layer 0's residual is hidden_norm(g) instead of g: r = hidden_norm(g) + o_proj(...)
-fc_norm and norm_output together are EAGLE-3.1 (docs/train.md, "EAGLE-3.1 norms"). Layer 0 is `midlayer`,
-later layers `layers.1` ... `layers.N-1` (the export renames `midlayer` to `layers.0` when N > 1).
+fc_norm and norm_output together are EAGLE-3.1 (docs/train.md, "EAGLE-3.1 norms").
 
 Each layer is split into `qkv` (projections + rotary) and `finish` (o_proj, residuals, MLP) so that
 the batched training-time test and the step-by-step KV-cache decoder share every weight-touching
