@@ -118,7 +118,7 @@ def expected_tensors(c: DraftConfig, dtype: torch.dtype) -> dict[str, tuple[tupl
     H, I = c.hidden_size, c.intermediate_size
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     n_aux = len(c.aux_layer_ids)
-    out = {"fc.weight": ((H, n_aux * H), dtype)}
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"fc.weight": ((H, n_aux * H), dtype)}
     if c.fc_norm:  # vLLM loads them as model.fc_norm.{i} (one RMSNorm per aux state)
         out.update({f"fc_norm.{i}.weight": ((H,), dtype) for i in range(n_aux)})
     for i in range(c.num_hidden_layers):
@@ -274,6 +274,7 @@ def draft_config_from_native(cfg: dict) -> DraftConfig:
     else:
         raise NestlingError("the draft config names no aux layer ids (eagle_aux_hidden_state_layer_ids)")
     rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 10000.0))}
+    norms = norms_from_config(cfg)
     return DraftConfig(
         hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
         num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
@@ -284,7 +285,8 @@ def draft_config_from_native(cfg: dict) -> DraftConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_parameters=dict(rope),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         hidden_act=cfg.get("hidden_act", "silu"), target_fingerprint=n.get("target_fingerprint", ""),
-        target_model_type=n.get("target_model_type", "llama"), **norms_from_config(cfg),
+        target_model_type=n.get("target_model_type", "llama"), fc_norm=norms["fc_norm"],
+        norm_output=norms["norm_output"], norm_before_residual=norms["norm_before_residual"],
     )
 
 
