@@ -41,8 +41,10 @@ def write_prompts_jsonl(path: Path, prompts: list[str]) -> Path:
 
 
 def new_draft(target: Path, aux_ids: list[int] | None = None, draft_vocab_size: int = 1024,
-              vocab_tokens: torch.Tensor | None = None, seed: int = 0, layers: int = 1) -> Eagle3Draft:
-    """A randomly initialised draft of `layers` decoder layers for `target`, with a vocab from tokens."""
+              vocab_tokens: torch.Tensor | None = None, seed: int = 0, layers: int = 1,
+              norms: dict[str, bool] | None = None) -> Eagle3Draft:
+    """A randomly initialised draft of `layers` decoder layers for `target`, with a vocab from tokens;
+    `norms`: the draft norm options (DraftConfig fields, e.g. {"fc_norm": True})."""
     from transformers import AutoConfig
 
     from nestling.targets.layers import default_aux_layers, num_layers
@@ -50,7 +52,8 @@ def new_draft(target: Path, aux_ids: list[int] | None = None, draft_vocab_size: 
     hf = AutoConfig.from_pretrained(target)
     aux_ids = aux_ids or default_aux_layers(num_layers(hf))
     cfg = DraftConfig.from_target(hf, min(draft_vocab_size, hf.vocab_size), aux_ids, target=str(target),
-                                  target_fingerprint=target_fingerprint(target), num_hidden_layers=layers)
+                                  target_fingerprint=target_fingerprint(target), num_hidden_layers=layers,
+                                  **(norms or {}))
     torch.manual_seed(seed)
     draft = Eagle3Draft(cfg)
     counts = count_tokens([vocab_tokens if vocab_tokens is not None else torch.arange(cfg.vocab_size)], cfg.vocab_size)
@@ -87,8 +90,9 @@ def greedy_sequences(target: Path, prompt_ids: list[list[int]], new_tokens: int)
 
 def fit_step0(target: Path, prompt_ids: list[list[int]], aux_ids: list[int] | None = None, steps: int = 300,
               new_tokens: int = 64, draft_vocab_size: int = 1024, lr: float = 2e-3, seed: int = 0,
-              layers: int = 1) -> Eagle3Draft:
-    """Fit a draft on step-0 prediction: input (tok[t+1], fc(aux[t])) at position t -> target argmax at t+1."""
+              layers: int = 1, norms: dict[str, bool] | None = None) -> Eagle3Draft:
+    """Fit a draft on step-0 prediction: input (tok[t+1], combine(aux[t])) at position t -> target argmax
+    at t+1."""
     import time
 
     t0 = time.perf_counter()
@@ -100,7 +104,7 @@ def fit_step0(target: Path, prompt_ids: list[list[int]], aux_ids: list[int] | No
             o = model(s[None], output_hidden_states=True)
             feats.append(o.hidden_states)
             teach.append(o.logits[0].argmax(-1))  # teacher: target greedy next token at every position
-    draft = new_draft(target, aux_ids, draft_vocab_size, torch.cat(teach), seed=seed, layers=layers)
+    draft = new_draft(target, aux_ids, draft_vocab_size, torch.cat(teach), seed=seed, layers=layers, norms=norms)
     draft.embed_tokens.weight.data.copy_(model.get_input_embeddings().weight.data.float())
     ids = draft.config.aux_layer_ids
     t2d_idx = target_to_draft_index(draft.t2d)
@@ -119,7 +123,7 @@ def fit_step0(target: Path, prompt_ids: list[list[int]], aux_ids: list[int] | No
         opt.zero_grad()
         loss = 0.0
         for tok, aux, pos, lab in batch:
-            h = draft.step(tok, draft.fc(aux), pos, KVCache())
+            h = draft.step(tok, draft.combine(aux), pos, KVCache())
             lg = draft.logits(h)[0]
             keep = lab >= 0
             loss = loss + F.cross_entropy(lg[keep], lab[keep])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nestling.draft.model import DraftConfig, Eagle3Draft, KVCache
+from nestling.draft.model import NORM_OPTIONS, DraftConfig, Eagle3Draft, KVCache
 from nestling.draft.vocab import build_vocab, count_tokens, draft_ids_to_target, target_to_draft_index
 
 
@@ -38,6 +38,25 @@ def test_later_layers_are_plain_llama_layers_of_width_h():
         assert sd[f"layers.{i}.input_layernorm.weight"].shape == (64,)
         assert f"layers.{i}.hidden_norm.weight" not in sd
     assert not any(k.startswith("layers.0.") or k.startswith("layers.3.") for k in sd)
+
+
+def test_norm_options_add_vllm_names_and_stay_out_of_the_key_when_off():
+    """fc_norm adds one RMSNorm per aux state under vLLM's `fc_norm.{i}` names; the other options
+    add no weight. Options that are off are not in the run's key (older runs keep theirs)."""
+    plain, on = _cfg(), _cfg(fc_norm=True, norm_output=True, norm_before_residual=True)
+    assert set(Eagle3Draft(on).export_state_dict()) - set(Eagle3Draft(plain).export_state_dict()) == {
+        "fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"}
+    assert Eagle3Draft(on).export_state_dict()["fc_norm.1.weight"].shape == (64,)
+    assert not set(NORM_OPTIONS) & set(plain.key_fields())
+    assert all(on.key_fields()[k] is True for k in NORM_OPTIONS)
+    assert {k: v for k, v in on.key_fields().items() if k not in NORM_OPTIONS} == plain.key_fields()
+
+
+@pytest.mark.parametrize("kw", [{}, {"fc_norm": True, "num_hidden_layers": 2}])
+def test_trainable_params_counts_the_module(kw):
+    c = _cfg(**kw)
+    m = Eagle3Draft(c)
+    assert c.trainable_params() == sum(p.numel() for p in m.parameters() if p.requires_grad)
 
 
 def test_draft_needs_a_layer():

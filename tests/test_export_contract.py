@@ -106,6 +106,63 @@ def test_two_layer_folder_uses_vllm_layer_names(tiny_target, tmp_path, fmt):
     assert all(torch.equal(v, want[k]) for k, v in loaded.export_state_dict().items())
 
 
+# ---- the draft norms (fc_norm, norm_output, norm_before_residual) -----------------------------------
+
+NORMS = {"fc_norm": True, "norm_output": True, "norm_before_residual": True}
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_draft_norms_are_written_as_vllm_reads_them(tiny_target, tmp_path, fmt):
+    """The config keys where vLLM 0.32 reads them (native: top level, read by getattr; speculators:
+    top level, copied by vLLM's own `update_eagle3`), fc_norm's weights as `fc_norm.{i}.weight`, and
+    nestling's loader reads the options and weights back."""
+    from nestling.evaluate.specdec import load_draft
+    from nestling.targets.load import load_model
+
+    draft = new_draft(tiny_target("llama"), AUX, draft_vocab_size=512, vocab_tokens=torch.arange(1000, 3000), seed=4)
+    for k, v in NORMS.items():
+        setattr(draft.config, k, v)
+    on = type(draft)(draft.config)  # built with the options: it has fc_norm modules
+    on.load_state_dict(draft.state_dict(), strict=False)
+    with torch.no_grad():
+        for i, n in enumerate(on.fc_norm):
+            n.weight.fill_(0.5 + i)
+    out = export(make_train_dir(on, tmp_path / "t"), tmp_path / "d", ExportSettings(format=fmt, dtype="float32"))
+    raw, cfg, t = contract.read_draft_folder(out)
+    if fmt == "speculators":
+        from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+        raw = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(raw)))
+    assert {k: raw[k] for k in NORMS} == NORMS
+    assert {k: getattr(cfg, k) for k in NORMS} == NORMS
+    assert {k: (tuple(v.shape), v.dtype) for k, v in t.items()} == contract.expected_tensors(cfg, torch.float32)
+    assert [float(t[f"fc_norm.{i}.weight"][0]) for i in range(3)] == [0.5, 1.5, 2.5]
+    loaded = load_draft(out, load_model(tiny_target("llama"), dtype="float32"))
+    assert {k: getattr(loaded.config, k) for k in NORMS} == NORMS
+    want = on.export_state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in loaded.export_state_dict().items())
+
+
+def test_draft_norms_are_held_to_the_config():
+    """A config that does not say the draft's norms, or weights without fc_norm's, break the contract;
+    a speculators config without norm_before_residual means True (vLLM's default there)."""
+    c = contract.draft_config_from_native({**_min_config(), **NORMS})
+    plain = contract.draft_config_from_native(_min_config())
+    assert not any(getattr(plain, k) for k in NORMS) and all(getattr(c, k) for k in NORMS)
+    assert contract.draft_config_from_native({**_min_config(), "speculators_config": {}}).norm_before_residual
+    with pytest.raises(NestlingError, match="fc_norm=None"):
+        contract.check_native_config({k: v for k, v in contract.native_config(c, {}, "float32").items()
+                                      if k != "fc_norm"}, c)
+    tensors = {k: torch.zeros(shape) for k, (shape, _) in contract.expected_tensors(plain, torch.float32).items()}
+    with pytest.raises(NestlingError, match="missing fc_norm.0.weight"):
+        contract.check_tensors(tensors, c, torch.float32)
+
+
+def _min_config() -> dict:
+    return dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=1000, draft_vocab_size=100, eagle_aux_hidden_state_layer_ids=AUX)
+
+
 def test_layer_count_is_held_to_the_weights(tiny_target):
     """The config's num_hidden_layers and the tensors must agree (the check after writing)."""
     c2 = new_draft(tiny_target("llama"), AUX, draft_vocab_size=512, layers=2).config

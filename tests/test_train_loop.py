@@ -163,6 +163,45 @@ def test_two_layer_draft_trains_exports_and_decodes(capture, tiny_target, tmp_pa
     _fails(capture, tmp_path / "bad", "at least one decoder layer", draft_layers=0)
 
 
+EAGLE31_RECIPE = ["draft_fc_norm=true", "draft_norm_output=true", "draft_norm_before_residual=true"]
+
+
+def test_draft_norms_from_a_recipe_string_train_export_and_decode(capture, tiny_target, tmp_path):
+    """The draft norm settings, given as `key=value` (the learning-curve recipes' way): the draft
+    trains with them, the export writes vLLM's config keys and `fc_norm.{i}` weights, and the
+    reference decoder reloads the folder with the same options and still outputs the target's tokens."""
+    from nestling.cli import main
+    from nestling.evaluate.specdec import SpecDecoder, load_draft, target_generate
+    from nestling.export.run import export
+    from nestling.targets.load import load_model
+
+    args = ["--steps", "2", "batch_tokens=64", "draft_vocab_size=100", "eval_batches=1", "progress_interval=100"]
+    assert main(["train", str(capture), "--out", str(tmp_path / "w"), *args, *EAGLE31_RECIPE]) == 0
+    m = json.loads((tmp_path / "w" / "manifest.json").read_text())
+    norms = {"fc_norm": True, "norm_output": True, "norm_before_residual": True}
+    assert {k: m["draft_config"][k] for k in norms} == norms
+    trained = load_file(str(tmp_path / "w" / "model.safetensors"))
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(trained)
+    assert not torch.equal(trained["fc_norm.0.weight"], torch.ones(128))  # trained, not left at init
+    out = export(tmp_path / "w", tmp_path / "d")
+    assert {k: json.loads((out / "config.json").read_text())[k] for k in norms} == norms
+    model = load_model(tiny_target("llama"), dtype="float32")
+    draft = load_draft(out, model)
+    assert all(getattr(draft.config, k) for k in norms)
+    out_ids, _ = SpecDecoder(model, draft, k=3).generate([5, 6, 7, 8], 12)
+    assert out_ids == target_generate(model, [5, 6, 7, 8], 12)[0]
+
+
+def test_draft_norms_that_are_off_stay_out_of_the_run_key():
+    """A run from before the norm settings existed keeps its key (and so its checkpoints resume)."""
+    from nestling.train.plan import trajectory_settings
+
+    plain = trajectory_settings(TrainSettings(), 1e-3)
+    assert not any(k.startswith("draft_") and "norm" in k for k in plain)
+    on = trajectory_settings(TrainSettings(draft_fc_norm=True), 1e-3)
+    assert on.pop("draft_fc_norm") is True and on == plain
+
+
 # ---- bad input: one clear error before any training step ---------------------------------------------
 
 def _fails(capture, out, match, resume=False, **kw):

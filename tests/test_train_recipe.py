@@ -87,17 +87,21 @@ def test_muon_splits_hidden_matrices_trains_and_saves_both_states(capture, tmp_p
     assert all("exp_avg_sq" in v for v in st["adamw"]["state"].values())
 
 
-def test_resume_is_exact_with_muon_noise_and_a_frozen_head(capture, tmp_path):
+@pytest.mark.parametrize("norms", [{}, {"draft_fc_norm": True, "draft_norm_output": True,
+                                        "draft_norm_before_residual": True}], ids=["plain", "draft_norms"])
+def test_resume_is_exact_with_muon_noise_and_a_frozen_head(capture, tmp_path, norms):
     """A run resumed from its step-4 checkpoint ends bit for bit where the straight run does: both
-    optimizers' states and the schedule come back, and the noise is a function of (seed, microbatch)."""
+    optimizers' states and the schedule come back, and the noise is a function of (seed, microbatch).
+    With the draft norms on too (their weights, fc_norm.*, are in the checkpoint)."""
     s = TrainSettings(steps=8, optimizer="muon", hidden_noise=0.05, freeze_lm_head=True, checkpoint_every=4,
-                      eval_every=4, eval_batches=1, **TINY)
+                      eval_every=4, eval_batches=1, **TINY, **norms)
     straight = tmp_path / "straight"
     train(capture, straight, s)
     resumed = tmp_path / "resumed"  # a new folder, resumed from the straight run's checkpoint (--resume-from)
     train(capture, resumed, s, resume=straight / "checkpoints" / "step-00000004")
     a, b = load_file(str(straight / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert ("fc_norm.2.weight" in a) == bool(norms)
     sa, sb = (torch.load(p / "checkpoints" / "step-00000008" / "optimizer.pt", weights_only=True)
               for p in (straight, resumed))
     for part in ("muon", "adamw"):

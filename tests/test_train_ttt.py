@@ -8,18 +8,23 @@ import pytest
 import torch
 from capture_fixture import one_thread  # noqa: F401 (autouse)
 
-from nestling.draft.model import DraftConfig, Eagle3Draft
+from nestling.draft.model import NORM_OPTIONS, DraftConfig, Eagle3Draft
 from nestling.train.loss import Teacher, supervised, ttt_loss
 from nestling.train.ttt import PackedBatch, reference_logits, shift_in_doc, ttt_hidden
 
 STEPS = 4
 
 
-def _model(seed: int = 0, layers: int = 1) -> Eagle3Draft:
+# the draft norm options (DraftConfig fields): none, EAGLE-3.1's two, and all of them
+NORMS = {"plain": {}, "eagle31": {"fc_norm": True, "norm_output": True},
+         "all": {k: True for k in NORM_OPTIONS}}
+
+
+def _model(seed: int = 0, layers: int = 1, norms: str = "plain") -> Eagle3Draft:
     torch.manual_seed(seed)
     c = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                     vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 2, 3], num_target_layers=5,
-                    num_hidden_layers=layers)
+                    num_hidden_layers=layers, **NORMS[norms])
     m = Eagle3Draft(c).eval()
     with torch.no_grad():
         for p in m.parameters():
@@ -56,20 +61,39 @@ def _assert_matches_reference(m, samples, got):
         start += len(ids)
 
 
+@pytest.mark.parametrize("norms", list(NORMS))
 @pytest.mark.parametrize("layers", [1, 2])
 @pytest.mark.parametrize("backend", ["mask", "flex", "concat"])
-def test_batched_ttt_equals_stepwise_reference_single_sample(backend, layers):
-    m = _model(layers=layers)
+def test_batched_ttt_equals_stepwise_reference_single_sample(backend, layers, norms):
+    m = _model(layers=layers, norms=norms)
     samples = _samples([13])
     _assert_matches_reference(m, samples, _batched_logits(m, _pack(samples), backend))
 
 
+@pytest.mark.parametrize("norms", list(NORMS))
 @pytest.mark.parametrize("layers", [1, 2])
 @pytest.mark.parametrize("backend", ["mask", "flex", "concat"])
-def test_batched_ttt_equals_reference_in_packed_batch(backend, layers):
-    m = _model(layers=layers)
+def test_batched_ttt_equals_reference_in_packed_batch(backend, layers, norms):
+    m = _model(layers=layers, norms=norms)
     samples = _samples([7, 11, 3, 9])
     _assert_matches_reference(m, samples, _batched_logits(m, _pack(samples, pad=5), backend))
+
+
+@pytest.mark.parametrize("option", NORM_OPTIONS)
+def test_each_norm_option_changes_the_draft(option):
+    """Guard for the tests above: with the same weights, switching one option on changes the logits
+    (norm_output from step 1 on, the others from step 0), batched and stepwise alike, so the equality
+    cannot hold by both sides ignoring it."""
+    on = _model(layers=2, norms="all")
+    off = _model(layers=2, norms="all")
+    setattr(off.config, option, False)
+    samples = _samples([10])
+    first = 1 if option == "norm_output" else 0
+    for a, b in ((_batched_logits(on, _pack(samples)), _batched_logits(off, _pack(samples))),
+                 (reference_logits(on, *samples[0], STEPS), reference_logits(off, *samples[0], STEPS))):
+        assert torch.equal(a[:6, :first], b[:6, :first])
+        for j in range(first, STEPS):
+            assert (a[:6, j] - b[:6, j]).abs().max() > 1e-2, (option, j)
 
 
 def test_second_layer_takes_part_in_every_step():
@@ -110,7 +134,7 @@ def test_same_positions_for_every_step_would_differ():
 
     def same_pos(model, b, steps, backend="mask"):
         b2 = PackedBatch(b.input_ids, b.loss_mask, b.doc, b.pos, b.aux)
-        hidden = model.fc(b2.aux)
+        hidden = model.combine(b2.aux)
         ks, vs, out = [], [], []
         for j in range(steps):
             q, k, v = model.qkv(0, shift_in_doc(b2.input_ids, b2.doc, 1 + j), hidden, b2.pos)

@@ -13,6 +13,13 @@ The last layer's pre-norm h feeds the next draft step (vLLM 0.32 `llama_eagle3.p
 layers, only layer 0 reads the embedding, the model returns the pre-norm sum). Layer 0 is `midlayer`,
 later layers `layers.1` ... `layers.N-1` (the export renames `midlayer` to `layers.0` when N > 1).
 
+Optional norms, off by default, each a key of the exported config.json that vLLM 0.32 reads
+(`llama_eagle3.py`; the names are vLLM's, see NORM_OPTIONS):
+    fc_norm               g = fc(concat(fc_norm.0(a1), fc_norm.1(a2), ...))   (one RMSNorm per aux state)
+    norm_output           the next step reads norm(h_{N-1}) instead of h_{N-1} (post-norm feedback)
+    norm_before_residual  layer 0's residual is hidden_norm(g) instead of g: r = hidden_norm(g) + o_proj(...)
+fc_norm and norm_output together are EAGLE-3.1 (docs/train.md, "EAGLE-3.1 norms").
+
 Each layer is split into `qkv` (projections + rotary) and `finish` (o_proj, residuals, MLP) so that
 the batched training-time test and the step-by-step KV-cache decoder share every weight-touching
 line and differ only in which keys a query may attend to.
@@ -29,6 +36,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from nestling.errors import NestlingError
+
+
+# The optional draft norms, under vLLM 0.32's config.json names (DraftConfig fields of the same name).
+NORM_OPTIONS = ("fc_norm", "norm_output", "norm_before_residual")
 
 
 @dataclass
@@ -52,6 +63,10 @@ class DraftConfig:
     target: str = ""
     target_fingerprint: str = ""
     target_model_type: str = "llama"
+    # optional norms (NORM_OPTIONS; the module docstring gives their math); False = plain EAGLE-3
+    fc_norm: bool = False
+    norm_output: bool = False
+    norm_before_residual: bool = False
 
     def __post_init__(self) -> None:
         if int(self.num_hidden_layers) < 1:
@@ -110,8 +125,14 @@ class DraftConfig:
         def layer(width: int, norms: int) -> int:
             return width * (q + 2 * kv) + q * H + 3 * H * self.intermediate_size + norms * H
 
-        return (len(self.aux_layer_ids) * H * H + layer(2 * H, 3)
+        n_aux = len(self.aux_layer_ids)
+        return (n_aux * H * H + (n_aux * H if self.fc_norm else 0) + layer(2 * H, 3)
                 + (self.num_hidden_layers - 1) * layer(H, 2) + H + self.draft_vocab_size * H)
+
+    def key_fields(self) -> dict:
+        """The fields that identify a training run: all of them, less the norm options that are off, so
+        that runs (and checkpoints) from before the options existed keep their key."""
+        return {k: v for k, v in asdict(self).items() if not (k in NORM_OPTIONS and not v)}
 
     def llama_config(self):
         """The equivalent transformers LlamaConfig (for rotary init and for export)."""
@@ -205,6 +226,8 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(n_aux * c.hidden_size, c.hidden_size, bias=False)
+        if c.fc_norm:  # vLLM's `fc_norm.{i}`: one RMSNorm per aux state, before fc
+            self.fc_norm = nn.ModuleList([RMSNorm(c.hidden_size, c.rms_norm_eps) for _ in range(n_aux)])
         self.midlayer = DecoderLayer(c, first=True)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(c, first=False) for i in range(1, c.num_hidden_layers)})
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -222,6 +245,19 @@ class Eagle3Draft(nn.Module):
 
     def layer(self, i: int) -> DecoderLayer:
         return self.midlayer if i == 0 else self.layers[str(i)]
+
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """[..., n_aux*H] target states -> g [..., H], the first step's hidden input (vLLM's
+        `combine_hidden_states`: with fc_norm each aux state is normed on its own before fc)."""
+        if self.config.fc_norm:
+            chunks = aux.chunk(len(self.fc_norm), dim=-1)
+            aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(aux)
+
+    def next_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """What the next draft step reads from this one's pre-norm h: h itself, or with norm_output the
+        normed h that lm_head reads too (vLLM's `aux_output`)."""
+        return self.norm(h) if self.config.norm_output else h
 
     def qkv(self, i: int, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor):
         """Layer i: [B,T] ids, [B,T,H] input, [B,T] positions -> q [B,nh,T,D], k, v [B,nkv,T,D] (rotated).
@@ -253,8 +289,11 @@ class Eagle3Draft(nn.Module):
         return out.transpose(1, 2).reshape(B, T, -1)
 
     def finish(self, i: int, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """Layer i: o_proj + residual from the layer's input, then MLP + residual: returns pre-norm h."""
+        """Layer i: o_proj + residual from the layer's input (layer 0 with norm_before_residual: from
+        hidden_norm of it), then MLP + residual: returns pre-norm h."""
         layer = self.layer(i)
+        if i == 0 and self.config.norm_before_residual:
+            hidden = layer.hidden_norm(hidden)
         r = hidden + layer.self_attn.o_proj(attn)
         return r + layer.mlp(layer.post_attention_layernorm(r))
 
@@ -268,7 +307,7 @@ class Eagle3Draft(nn.Module):
         """One draft forward over new tokens, attending to the cache plus causally to themselves.
 
         Returns the last layer's pre-norm h [B,T,H]; every layer's cache grows by T. `hidden` is
-        fc(aux) for target features or the previous step's h for the draft's own chain.
+        combine(aux) for target features or next_hidden(previous step's h) for the draft's own chain.
         """
         for i in range(self.num_layers):
             q, k, v = self.qkv(i, input_ids, hidden, position_ids)

@@ -3,10 +3,10 @@ verification. Its output is the target's own output (token-identical for greedy,
 distribution for sampling); it counts acceptance the way vLLM does.
 
 Draft inputs follow vLLM's drafting loop (v1/spec_decode/llm_base_proposer.py): over the verified
-prefix, index t gets (token_{t+1}, fc(aux_t)) at position t; each further chain step advances the
-position by one and feeds back the draft's own pre-norm hidden state. After verification the
-draft's cache keeps only entries computed from target features; the accepted tokens are then fed
-again with their target features (vLLM overwrites the same KV slots).
+prefix, index t gets (token_{t+1}, combine(aux_t)) at position t; each further chain step advances
+the position by one and feeds back the draft's own hidden state (pre-norm; normed with norm_output).
+After verification the draft's cache keeps only entries computed from target features; the accepted
+tokens are then fed again with their target features (vLLM overwrites the same KV slots).
 """
 
 from __future__ import annotations
@@ -126,13 +126,13 @@ class SpecDecoder:
         return int(torch.multinomial(_probs(logits, self.temperature), 1, generator=gen))
 
     def _draft_feed(self, tokens: list[int], aux: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
-        """Target features of `len(tokens)` positions from `start`: (token_{t+1}, fc(aux_t)) -> last h."""
+        """Target features of `len(tokens)` positions from `start`: (token_{t+1}, combine(aux_t)) -> last h."""
         d = self.draft
         dev = d.d2t.device
         dtype = d.fc.weight.dtype
         ids = torch.tensor([tokens], device=dev)
         pos = torch.arange(start, start + len(tokens), device=dev)[None]
-        h = d.step(ids, d.fc(aux.to(dev, dtype)[None]), pos, cache)
+        h = d.step(ids, d.combine(aux.to(dev, dtype)[None]), pos, cache)
         return h[:, -1:]
 
     @torch.no_grad()
@@ -172,7 +172,8 @@ class SpecDecoder:
                 if j < k - 1:
                     pos += 1
                     ids = torch.tensor([[t]], device=hid.device)
-                    hid = self.draft.step(ids, hid, torch.tensor([[pos]], device=hid.device), dcache)
+                    hid = self.draft.step(ids, self.draft.next_hidden(hid), torch.tensor([[pos]], device=hid.device),
+                                          dcache)
             logits, aux = self.target.forward([x] + drafts)
             stats.target_forwards += 1
             if self.temperature <= 0:

@@ -22,6 +22,11 @@ pre-norm Llama layers of width H; its loader maps `midlayer.` to `layers.0.` and
 as they are. A 1-layer draft keeps the historical `midlayer.*` names (what every EAGLE-3 engine
 reads); a deeper one is written as `layers.0.*` ... `layers.N-1.*`, vLLM's own names
 (`layer_names_for_engine`). SGLang cannot serve it equivalently (docs/export.md).
+
+Draft norms. `fc_norm`, `norm_output` and `norm_before_residual` (model.NORM_OPTIONS) are written as
+config.json keys of those names, always, True or False. vLLM 0.32 reads them (`llama_eagle3.py`;
+in the speculators layout `update_eagle3` copies them from the top level), and loads fc_norm's
+weights `fc_norm.{i}.weight` as `model.fc_norm.{i}` (its loader prefixes `model.`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from nestling.draft.model import DraftConfig
+from nestling.draft.model import NORM_OPTIONS, DraftConfig
 from nestling.errors import NestlingError
 from nestling.targets.layers import sglang_layer_ids, vllm_layer_ids
 
@@ -113,7 +118,9 @@ def expected_tensors(c: DraftConfig, dtype: torch.dtype) -> dict[str, tuple[tupl
     H, I = c.hidden_size, c.intermediate_size
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     n_aux = len(c.aux_layer_ids)
-    out = {"fc.weight": ((H, n_aux * H), dtype)}
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"fc.weight": ((H, n_aux * H), dtype)}
+    if c.fc_norm:  # vLLM loads them as model.fc_norm.{i} (one RMSNorm per aux state)
+        out.update({f"fc_norm.{i}.weight": ((H,), dtype) for i in range(n_aux)})
     for i in range(c.num_hidden_layers):
         m, width = layer_prefix(c, i), 2 * H if i == 0 else H  # layer 0: embedding half first, then hidden
         out[m + "input_layernorm.weight"] = ((H,), dtype)
@@ -204,8 +211,9 @@ def native_config(c: DraftConfig, target_config: dict, dtype: str) -> dict:
         "vocab_size": c.vocab_size,
         "draft_vocab_size": c.draft_vocab_size,
         "tie_word_embeddings": False,
-        # the residual is taken from fc(aux) before hidden_norm (vLLM: norm_before_residual=False)
-        "norm_before_residual": False,
+        # the draft norms (model.NORM_OPTIONS), always written: a speculators-layout config without
+        # norm_before_residual means True to vLLM, ours defaults to False
+        **norm_keys(c),
         "dtype": dtype,
         "torch_dtype": dtype,
         "bos_token_id": target_config.get("bos_token_id"),
@@ -226,6 +234,18 @@ def native_config(c: DraftConfig, target_config: dict, dtype: str) -> dict:
     }
 
 
+def norm_keys(c: DraftConfig) -> dict[str, bool]:
+    """The config.json keys of the draft norms (vLLM 0.32's names, `llama_eagle3.py`)."""
+    return {k: bool(getattr(c, k)) for k in NORM_OPTIONS}
+
+
+def norms_from_config(cfg: dict) -> dict[str, bool]:
+    """The draft norms a config.json asks for, read as vLLM 0.32 does: absent = False, except
+    norm_before_residual in the speculators layout (vLLM's `update_eagle3` defaults it to True)."""
+    speculators = "speculators_config" in cfg
+    return {k: bool(cfg.get(k, speculators and k == "norm_before_residual")) for k in NORM_OPTIONS}
+
+
 def check_native_config(cfg: dict, c: DraftConfig, where: str = "config.json") -> None:
     """The config fields the engines read, checked against the draft they describe."""
     want = {
@@ -234,7 +254,7 @@ def check_native_config(cfg: dict, c: DraftConfig, where: str = "config.json") -
         "tie_word_embeddings": False, "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
         "intermediate_size": c.intermediate_size,
-        "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(c.aux_layer_ids),
+        "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(c.aux_layer_ids), **norm_keys(c),
     }
     bad = [f"{k}={cfg.get(k)!r} (want {v!r})" for k, v in want.items() if cfg.get(k) != v]
     sg = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -254,6 +274,7 @@ def draft_config_from_native(cfg: dict) -> DraftConfig:
     else:
         raise NestlingError("the draft config names no aux layer ids (eagle_aux_hidden_state_layer_ids)")
     rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 10000.0))}
+    norms = norms_from_config(cfg)
     return DraftConfig(
         hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
         num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
@@ -264,7 +285,8 @@ def draft_config_from_native(cfg: dict) -> DraftConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_parameters=dict(rope),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         hidden_act=cfg.get("hidden_act", "silu"), target_fingerprint=n.get("target_fingerprint", ""),
-        target_model_type=n.get("target_model_type", "llama"),
+        target_model_type=n.get("target_model_type", "llama"), fc_norm=norms["fc_norm"],
+        norm_output=norms["norm_output"], norm_before_residual=norms["norm_before_residual"],
     )
 
 

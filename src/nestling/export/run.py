@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from nestling.config import to_dict
-from nestling.draft.model import DraftConfig
+from nestling.draft.model import NORM_OPTIONS, DraftConfig
 from nestling.draft.vocab import load_vocab
 from nestling.errors import NestlingError
 from nestling.export import contract
@@ -139,7 +139,8 @@ def verify(folder: Path, cfg: DraftConfig, dtype: torch.dtype) -> None:
     raw, reread, tensors = contract.read_draft_folder(folder)
     layer = raw.get("transformer_layer_config", raw)
     if "speculators_config" in raw:
-        contract.check_native_config({**layer, **{k: raw[k] for k in ("draft_vocab_size", "eagle_aux_hidden_state_layer_ids")},
+        top = ("draft_vocab_size", "eagle_aux_hidden_state_layer_ids", *NORM_OPTIONS)
+        contract.check_native_config({**layer, **{k: raw[k] for k in top if k in raw},
                                       "architectures": [contract.ARCHITECTURE]}, cfg, str(folder / contract.CONFIG))
     else:
         contract.check_native_config(raw, cfg, str(folder / contract.CONFIG))

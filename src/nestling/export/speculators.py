@@ -4,20 +4,22 @@ vLLM detects it by `speculators_config` (transformers_utils/config.py,
 `maybe_override_with_speculators`), takes the target from `speculators_config.verifier.name_or_path`
 and the speculative method / token count from `proposal_methods[0]`, so `vllm serve DRAFT` runs
 target + draft with no other flag. The Llama layer lives in `transformer_layer_config`; eagle3
-fields (`draft_vocab_size`, `norm_before_residual`, `eagle_aux_hidden_state_layer_ids`, ...) sit at
-the top level (configs/speculators/algos.py, `update_eagle3`). Note speculators' default for
-`norm_before_residual` is True, ours is False: it is always written.
+fields (`draft_vocab_size`, the draft norms `norm_before_residual`, `fc_norm`, `norm_output`,
+`eagle_aux_hidden_state_layer_ids`, ...) sit at the top level (configs/speculators/algos.py,
+`update_eagle3`). Note vLLM's default there for `norm_before_residual` is True, ours is False: the
+norms are always written.
 """
 
 from __future__ import annotations
 
 from nestling import __version__
+from nestling.draft.model import NORM_OPTIONS
 
 
 def speculators_config(native: dict, target: str, target_architectures: list[str], num_speculative_tokens: int) -> dict:
     layer = {k: v for k, v in native.items()
              if k not in ("architectures", "eagle_aux_hidden_state_layer_ids", "draft_vocab_size",
-                          "norm_before_residual", "target_hidden_size", "nestling")}
+                          "target_hidden_size", "nestling", *NORM_OPTIONS)}
     layer["architectures"] = ["LlamaForCausalLM"]
     return {
         "architectures": ["Eagle3Speculator"],
@@ -25,7 +27,7 @@ def speculators_config(native: dict, target: str, target_architectures: list[str
         "speculators_version": "0.1.0",
         "draft_vocab_size": native["draft_vocab_size"],
         "target_hidden_size": native["target_hidden_size"],
-        "norm_before_residual": native["norm_before_residual"],
+        **{k: native[k] for k in NORM_OPTIONS},  # vLLM's update_eagle3 reads them here
         "eagle_aux_hidden_state_layer_ids": native["eagle_aux_hidden_state_layer_ids"],
         "transformer_layer_config": layer,
         "speculators_config": {

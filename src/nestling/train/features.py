@@ -298,12 +298,13 @@ def draft_bytes_estimate(target: Path, s: "TrainSettings") -> int:
     from nestling.draft.model import DraftConfig
     from nestling.targets.layers import default_aux_layers, num_layers
     from nestling.targets.load import load_config
+    from nestling.train.settings import draft_norms
 
     config = load_config(target)
     text = getattr(config, "text_config", None) or config
     aux = list(s.aux_layer_ids) if s.aux_layer_ids else default_aux_layers(num_layers(config))
     c = DraftConfig.from_target(config, min(s.draft_vocab_size, int(text.vocab_size)), aux,
-                                num_hidden_layers=s.draft_layers)
+                                num_hidden_layers=s.draft_layers, **draft_norms(s))
     if s.intermediate_size:
         c.intermediate_size = s.intermediate_size
     return sum(draft_memory(c.trainable_params(), c.hidden_size, c.vocab_size, c.intermediate_size, len(aux),

@@ -8,31 +8,37 @@ finished run is recognised, under the same key only.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from nestling.config import to_dict
-from nestling.draft.model import DraftConfig
+from nestling.draft.model import NORM_OPTIONS, DraftConfig
 from nestling.manifest import hash_bytes, hash_json
 from nestling.train import dist, features
 from nestling.train.data import Stream
 from nestling.train.inputs import Inputs, make_vocab
-from nestling.train.settings import TrainSettings, resolve_lr
+from nestling.train.settings import NORM_SETTING_PREFIX, TrainSettings, draft_norms, resolve_lr
 
 
 def _config_key(cfg: DraftConfig, d2t: torch.Tensor, inp: Inputs, s: TrainSettings, total: int, world: int,
                 device: torch.device, lr: float) -> str:
     """What decides the trajectory; a checkpoint resumes only under the same key (`lr`: the one used,
     given or derived)."""
-    traj = {k: v for k, v in {**to_dict(s), "lr": lr}.items() if k not in (
+    return hash_json({"draft": cfg.key_fields(), "vocab": hash_bytes(d2t.numpy().tobytes()), "target": inp.target_fp,
+                      "capture": hash_json(inp.manifest), "settings": trajectory_settings(s, lr), "total_steps": total,
+                      "global_microbatches": world * s.grad_accum, **features.key_extra(inp, s, device)})
+
+
+def trajectory_settings(s: TrainSettings, lr: float) -> dict:
+    """The settings that decide the trajectory (the key's part). Draft norm settings that are off are
+    left out, so that runs and checkpoints from before those settings existed keep their key."""
+    norm_settings = {NORM_SETTING_PREFIX + k for k in NORM_OPTIONS}
+    return {k: v for k, v in {**to_dict(s), "lr": lr}.items() if k not in (
         "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches", "log_every", "progress_interval",
         "device", "attention", "compile", "parallel", "teacher_chunk", "target", "vocab", "grad_accum", "steps",
-        "epochs", "online", "target_dtype", "heldout_data")}
-    return hash_json({"draft": asdict(cfg), "vocab": hash_bytes(d2t.numpy().tobytes()), "target": inp.target_fp,
-                      "capture": hash_json(inp.manifest), "settings": traj, "total_steps": total,
-                      "global_microbatches": world * s.grad_accum, **features.key_extra(inp, s, device)})
+        "epochs", "online", "target_dtype", "heldout_data") and not (k in norm_settings and not v)}
 
 
 @dataclass
@@ -59,7 +65,8 @@ def plan_run(inp: Inputs, s: TrainSettings, out: Path, d: dist.Dist, device: tor
     V, H = int(text.vocab_size), int(text.hidden_size)
     d2t, t2d = make_vocab(inp, s, out, V)
     cfg = DraftConfig.from_target(inp.hf_config, int(d2t.numel()), inp.aux_layer_ids, target=str(inp.target),
-                                  target_fingerprint=inp.target_fp, num_hidden_layers=s.draft_layers)
+                                  target_fingerprint=inp.target_fp, num_hidden_layers=s.draft_layers,
+                                  **draft_norms(s))
     if s.intermediate_size:
         cfg.intermediate_size = s.intermediate_size
     G = d.world * s.grad_accum

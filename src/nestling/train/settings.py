@@ -23,6 +23,10 @@ class TrainSettings:
     freeze_lm_head: bool = False  # keep lm_head at the target's rows (not trained, not in the optimizer)
     intermediate_size: int = 0  # the draft layer's MLP width; 0 = the target's (engines read it from config.json)
     draft_layers: int = 1  # decoder layers of the draft; layer 0 reads the embedding, later ones are plain Llama layers
+    # optional draft norms (docs/train.md, "EAGLE-3.1 norms"); vLLM 0.32 reads them from config.json
+    draft_fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per aux state before fc (vLLM's fc_norm)
+    draft_norm_output: bool = False  # EAGLE-3.1: the next draft step reads the normed h (vLLM's norm_output)
+    draft_norm_before_residual: bool = False  # layer 0's residual is hidden_norm(g), not g (vLLM's norm_before_residual)
     # online: run the target batch by batch on the training device (DIR = the data stage's folder)
     # instead of reading a capture; auto = decided by `nestling run` (docs/train.md), an error in `nestling train`
     online: bool | Literal["auto"] = "auto"
@@ -98,6 +102,16 @@ class TrainSettings:
         if self.freeze_lm_head and self.lm_head_init != "target":
             raise NestlingError("freeze_lm_head keeps lm_head at its initial rows, which only makes sense for "
                                 "lm_head_init=target (a frozen random head cannot predict anything)")
+
+
+def draft_norms(s: TrainSettings) -> dict[str, bool]:
+    """The draft norm settings as DraftConfig fields (`draft_fc_norm` -> `fc_norm`, ...)."""
+    from nestling.draft.model import NORM_OPTIONS
+
+    return {k: bool(getattr(s, NORM_SETTING_PREFIX + k)) for k in NORM_OPTIONS}
+
+
+NORM_SETTING_PREFIX = "draft_"  # train setting `draft_X` = DraftConfig field / config.json key `X`
 
 
 def _check_positive(name: str, value: float | None) -> None:

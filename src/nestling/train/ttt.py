@@ -2,15 +2,15 @@
 
 What the engine does at anchor t (vLLM `llm_base_proposer.py`): the first draft pass over the
 verified prefix feeds, at index i <= t, the token i+1 (input ids rotated left by one) with
-fc(aux_i) at rotary position i; each further step j feeds the chain's next token, the draft's
-own pre-norm h from step j-1, at position t+j, attending to the step-0 keys 0..t plus the chain's
-own keys. Batched, that is K passes over the whole row where step j's query at index t may see
+combine(aux_i) (fc, after fc_norm when on) at rotary position i; each further step j feeds the
+chain's next token, the draft's own h from step j-1 (pre-norm; normed with norm_output), at
+position t+j, attending to the step-0 keys 0..t plus the chain's own keys. Batched, that is K passes over the whole row where step j's query at index t may see
 
     step-0 keys at indices i <= t of the same sample        (causal, packed samples isolated)
     step-m keys (1 <= m <= j) at index t only                (the chain's diagonal)
 
 With several draft layers, each layer attends to its own keys under that same mask, and the last
-layer's pre-norm h is what step j+1 feeds back.
+layer's pre-norm h (`next_hidden` of it) is what step j+1 feeds back.
 
 `reference_logits` drafts the same thing anchor by anchor with `Eagle3Draft.step` and a KVCache;
 the tests hold the two equal.
@@ -172,7 +172,7 @@ def ttt_hidden(model: Eagle3Draft, batch: PackedBatch, steps: int, backend: str 
     backend: 'mask' (explicit boolean mask), 'flex' (flex attention; CUDA for training) or
     'concat' (one SDPA over the concatenated keys with the full TTT mask; a plain cross-check).
     """
-    hidden = model.fc(batch.aux)
+    hidden = model.combine(batch.aux)
     ks: list[list[torch.Tensor]] = [[] for _ in range(model.num_layers)]  # per layer, per step
     vs: list[list[torch.Tensor]] = [[] for _ in range(model.num_layers)]
     out = []
@@ -189,6 +189,7 @@ def ttt_hidden(model: Eagle3Draft, batch: PackedBatch, steps: int, backend: str 
                 attn = chain_attention(q, ks[i], vs[i], batch.doc, backend, block_mask)
             hidden = model.finish(i, attn, hidden)
         out.append(hidden)
+        hidden = model.next_hidden(hidden)
     return out
 
 
@@ -204,12 +205,12 @@ def reference_logits(model: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Ten
     out = torch.full((T, steps, model.config.draft_vocab_size), float("nan"))
     for t in range(T - 1):  # anchor t needs token t+1
         cache = KVCache()
-        g = model.fc(aux[None, : t + 1])
+        g = model.combine(aux[None, : t + 1])
         h = model.step(input_ids[None, 1 : t + 2], g, torch.arange(t + 1)[None], cache)[:, -1:]
         out[t, 0] = model.logits(h)[0, 0].float()
         for j in range(1, steps):
             if t + 1 + j > T - 1:
                 break
-            h = model.step(input_ids[None, t + 1 + j : t + 2 + j], h, torch.tensor([[t + j]]), cache)
+            h = model.step(input_ids[None, t + 1 + j : t + 2 + j], model.next_hidden(h), torch.tensor([[t + j]]), cache)
             out[t, j] = model.logits(h)[0, 0].float()
     return out
