@@ -125,6 +125,10 @@ def test_tp_target_checks(tiny_target, llama_kv2):
     with pytest.raises(NestlingError, match=r"num_attention_heads=2.*tensor_parallel_size=4"):
         tp.check_target(load_config(llama_kv2), 4)
     cfg = load_config(llama_kv2)
+    cfg.quantization_config = {"quant_method": "compressed-tensors", "format": "pack-quantized"}  # Kimi-K2.5's kind
+    with pytest.raises(NestlingError, match=r"cannot load a compressed-tensors checkpoint tensor-parallel.*--device-map"):
+        tp.check_target(cfg, 2)
+    cfg = load_config(llama_kv2)
     cfg.base_model_tp_plan = {}
     with pytest.raises(NestlingError, match=r"no tensor-parallel plan.*--device-map auto"):
         tp.check_target(cfg, 2)

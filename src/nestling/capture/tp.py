@@ -74,6 +74,14 @@ def check_target(config: Any, tp: int) -> None:
     text = getattr(config, "text_config", None) or config
     plan = getattr(text, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None) or {}
     kind = getattr(text, "model_type", "?")
+    q = getattr(config, "quantization_config", None) or getattr(text, "quantization_config", None)
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+    if str(method).replace("_", "-") == "compressed-tensors":
+        raise NestlingError(
+            f"transformers {_transformers_version()} cannot load a compressed-tensors checkpoint tensor-parallel: "
+            "sharding the per-expert quantized tensors fails (transformers/distributed/sharding_utils.py, "
+            "IndexError: list index out of range; tried on a W4A16 DeepSeek-V3). Capture it with --device-map auto, "
+            "or dequantize it to a dense folder first")
     if not plan:
         raise NestlingError(f"transformers has no tensor-parallel plan for {kind} targets; capture with "
                             f"--device-map auto (layers spread over the GPUs) instead of --tensor-parallel-size")
@@ -84,6 +92,12 @@ def check_target(config: Any, tp: int) -> None:
             if heads % tp:
                 raise NestlingError(f"{kind} target has {attr}={heads}, which tensor_parallel_size={tp} does not "
                                     f"divide (its plan splits {key} by heads); use a TP degree that divides it")
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def _send(msg: dict | None) -> dict:
