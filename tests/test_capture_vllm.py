@@ -146,9 +146,29 @@ def test_kill_during_vllm_capture_then_resume(tiny_target, tmp_path):
 def test_refuses_mla_target(tiny_target, tmp_path):
     target = tiny_target("deepseek_v3")
     data = _data(tmp_path, target, n_train=2, n_heldout=0)
-    with pytest.raises(NestlingError, match=r"MLA.*--backend hf"):
+    with pytest.raises(NestlingError, match=r"MLA.*do not match transformers'.*residual is None.*#53074.*"
+                                            r"--backend hf.*--tensor-parallel-size N"):
         capture(data, target, tmp_path / "cap", CaptureSettings(backend="vllm", device="cpu", progress_interval=60))
     assert not (tmp_path / "cap" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "kimi_k25", "text_config": {"model_type": "kimi_k2", "kv_lora_rank": 512}},  # Kimi-K2.5's shape
+    {"model_type": "deepseek_v3", "kv_lora_rank": 512},
+    {"model_type": "deepseek_v4"},
+    {"model_type": "some_new_mla", "kv_lora_rank": 64},  # MLA by its config, whatever its name
+])
+def test_mla_refusal_names_the_cause(config):
+    """Re-examined against vLLM 0.32 (docs/capture-vllm.md): the refusal says why, with the upstream issue,
+    and points to the hf backend with tensor parallelism."""
+    from nestling.capture.vllm import check_target
+
+    with pytest.raises(NestlingError) as e:
+        check_target(config)
+    msg = str(e.value)
+    assert "MLA" in msg and "0.32.0" in msg and "do not match transformers'" in msg and "residual is None" in msg
+    assert "#53074" in msg and "--backend hf" in msg and "torchrun --nproc-per-node N" in msg
+    assert "--tensor-parallel-size N" in msg
 
 
 @pytest.mark.slow
@@ -157,7 +177,7 @@ def test_refuses_mla_target_cli_without_traceback(tiny_target, tmp_path):
     data = _data(tmp_path, target, n_train=2, n_heldout=0)
     r = subprocess.run(_cli(data, target, tmp_path / "cap"), env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
-    assert "MLA" in r.stderr and "device_map" in r.stderr and "Traceback" not in r.stderr
+    assert "MLA" in r.stderr and "--tensor-parallel-size" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("version,ok", [("0.32.0", True), ("0.32.4", True), ("0.31.9", False), ("0.33.0", False),

@@ -34,7 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="padded tokens per forward: batch size x longest sample (default 16384)")
     p.add_argument("--shard-size", dest="shard_size", help="bytes per shard, e.g. 1GB (default), 256MiB")
     p.add_argument("--tensor-parallel-size", dest="tensor_parallel_size", type=int,
-                   help="vllm backend: GPUs per engine that split every layer (default 1)")
+                   help="GPUs that split every layer (default 1). vllm: per engine; hf: transformers' "
+                        "tensor-parallel plan, run under `torchrun --nproc-per-node N -m nestling capture ...`")
     p.add_argument("--data-parallel-size", dest="data_parallel_size", type=int,
                    help="vllm backend: engine replicas that split the samples (default 1)")
     p.add_argument("--ignore-disk-check", dest="ignore_disk_check", action="store_true", default=None,
@@ -72,6 +73,10 @@ def main(args: argparse.Namespace) -> int:
         given["layers"] = args.layers
     settings = load_settings(CaptureSettings, args.config, args.extra, **given)
     m = capture(args.data_dir, args.target, args.out, settings)
+    from nestling.capture.tp import world
+
+    if world()[0] != 0:  # a tensor-parallel follower: rank 0 reports
+        return 0
     print(f"capture written to {args.out}: " + ", ".join(f"{k} {v['samples']} samples / {v['tokens']} tokens"
                                                          for k, v in m["splits"].items()), file=sys.stdout)
     return 0

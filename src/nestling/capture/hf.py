@@ -42,7 +42,8 @@ class HFBackend(Backend):
         self.dtype = getattr(torch, dtype)
         if model is None:
             device = settings.device if not settings.device_map else "cpu"
-            model = load_model(target, dtype=dtype, device=device, device_map=settings.device_map)
+            model = load_model(target, dtype=dtype, device=device, device_map=settings.device_map,
+                               tp_size=settings.tensor_parallel_size)
         self.model = model
         self.base = base_model(model)
         self.hidden_size = int(self.base.config.hidden_size)

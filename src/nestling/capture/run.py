@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from nestling.capture import tp
 from nestling.capture.backend import make_backend
 from nestling.capture.settings import CaptureSettings, compute_dtype, parse_size, resolve
 from nestling.capture.store import (FP8, ShardPlan, ShardWriter, batches, bytes_per_token, finish_checksums,
@@ -124,8 +125,25 @@ def _load_data(data_dir: Path, tok_fp: str, vocab_size: int, max_pos: int | None
 
 
 def capture(data_dir: str | Path, target: str | Path, out: str | Path, settings: CaptureSettings | None = None) -> dict:
-    """Capture every split of `data_dir` into `out`; returns the manifest. Resumes an interrupted run."""
+    """Capture every split of `data_dir` into `out`; returns the manifest. Resumes an interrupted run.
+    Under torchrun with `tensor_parallel_size` N (hf backend), rank 0 does all of this and the other
+    ranks only run the forwards it sends them (`capture/tp.py`)."""
     settings = resolve(settings or CaptureSettings())
+    tp.check_settings(settings)
+    if not tp.enabled(settings):
+        return _capture_here(data_dir, target, out, settings)
+    tp.init()
+    try:
+        if tp.world()[0] != 0:
+            return tp.follow()
+        with tp.leading() as result:
+            result["manifest"] = _capture_here(data_dir, target, out, settings)
+        return result["manifest"]
+    finally:
+        tp.finish()
+
+
+def _capture_here(data_dir: str | Path, target: str | Path, out: str | Path, settings: CaptureSettings) -> dict:
     data_dir, out = Path(data_dir), Path(out)
     if not data_dir.exists():  # cheapest check first: before the target is even resolved
         raise NestlingError(f"data folder {data_dir} does not exist; create it with `nestling data INPUT --target MODEL --out {data_dir}`")
@@ -140,6 +158,8 @@ def _capture(data_dir: Path, target_dir: Path, out: Path, settings: CaptureSetti
     config = load_config(target_dir)
     text_cfg = getattr(config, "text_config", None) or config
     L = num_layers(config)
+    if tp.enabled(settings):
+        tp.check_target(config, settings.tensor_parallel_size)
     layer_ids = validate_layer_ids(list(settings.layers) if settings.layers else default_capture_layers(L), L)
     hidden_size, vocab_size = int(text_cfg.hidden_size), int(text_cfg.vocab_size)
     tok_fp = tokenizer_fingerprint(load_tokenizer(target_dir))
@@ -209,11 +229,17 @@ def _run(todo: dict[str, list[ShardPlan]], target_dir: Path, layer_ids: list[int
     if settings.max_model_len is None:  # an engine that sizes itself up front (vllm) needs the longest sample
         longest = max(len(s.input_ids) for plans in todo.values() for p in plans for s in p.samples)
         settings = replace(settings, max_model_len=longest)
-    backend = make_backend(settings.backend, target_dir, layer_ids, replace(settings, dtype=compute_dtype(settings)))
+    run_settings = replace(settings, dtype=compute_dtype(settings))
+    if tp.enabled(settings):
+        tp.load_on_followers(target_dir, layer_ids, run_settings)
+    backend = make_backend(settings.backend, target_dir, layer_ids, run_settings)
+    if tp.enabled(settings):
+        backend = tp.Leader(backend)
     try:
         if backend.hidden_size != hidden_size:
             raise NestlingError(f"backend reports hidden size {backend.hidden_size}, config says {hidden_size}")
-        log(f"[capture] backend {settings.backend} on {backend.device}")
+        log(f"[capture] backend {settings.backend} on {backend.device}"
+            + (f", tensor parallel over {settings.tensor_parallel_size} ranks" if tp.enabled(settings) else ""))
         meta = {"layer_ids": ",".join(map(str, layer_ids)), "dtype": settings.dtype, "run_key": run_key}
         write_shards(todo, backend, out, settings, meta, dtype)
     finally:

@@ -17,9 +17,11 @@ class CaptureSettings:
     bounds padded tokens per forward (batch size x longest sample). `shard_size` is in bytes or with
     a unit (`1GB`, `512MiB`). `dtype` auto is bfloat16 on a GPU and float32 on a CPU (CPUs without
     bf16 matrix units run bf16 tens of times slower); float8 runs the target in auto's dtype and
-    stores float8_e4m3fn with a float32 scale per token and layer slot (half of bf16's disk). The vllm backend also reads
-    `tensor_parallel_size`, `data_parallel_size`, `max_model_len` (None: the longest sample to capture)
-    and `vllm_kv_cache_gib` (the CPU build's KV cache size, VLLM_CPU_KVCACHE_SPACE).
+    stores float8_e4m3fn with a float32 scale per token and layer slot (half of bf16's disk).
+    `tensor_parallel_size` N splits every layer over N GPUs: the vllm backend's engines start their own
+    workers; the hf backend runs under `torchrun --nproc-per-node N` (capture/tp.py). The vllm backend
+    also reads `data_parallel_size`, `max_model_len` (None: the longest sample to capture) and
+    `vllm_kv_cache_gib` (the CPU build's KV cache size, VLLM_CPU_KVCACHE_SPACE).
     """
 
     backend: Literal["hf", "vllm"] = "hf"

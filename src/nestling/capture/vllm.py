@@ -31,7 +31,10 @@ from nestling.targets.layers import vllm_layer_ids
 TESTED_VLLM = ("0.32.0", "0.33.0")
 CONNECTOR = "NestlingHiddenStatesConnector"
 CONNECTOR_MODULE = "nestling.capture.vllm_connector"
-HF_HINT = "use `--backend hf` (with `device_map=auto` for a target spread over several GPUs) instead"
+# model types built on vLLM's MLA attention (a config with kv_lora_rank is refused as MLA too)
+MLA_TYPES = {"deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "kimi_k2", "kimi_k25"}
+HF_HINT = ("use `--backend hf` instead (for a target spread over several GPUs: tensor parallel, `torchrun "
+           "--nproc-per-node N -m nestling capture ... --tensor-parallel-size N`, or `device_map=auto`)")
 
 
 def check_vllm_version(version: str) -> None:
@@ -69,17 +72,27 @@ def installed_vllm_version() -> str:
 def check_target(config: dict) -> None:
     """Refuse targets this vLLM path cannot serve, before spending minutes loading them.
 
-    MLA attention (DeepSeek-V2/V3, Kimi-K2): vLLM's hidden-state cache is itself an MLA cache spec
-    (`HiddenStateCacheSpec(MLAAttentionSpec)`), so it lands in the same KV cache group as the target's
-    MLA layers and cannot be read apart (vLLM's own hidden-states connector says "MLA verifiers are
-    unsupported"); the CPU build has no MLA attention at all.
+    MLA attention (DeepSeek-V2/V3, Kimi-K2, the deepseek_v2 backbone), re-examined against vLLM 0.32's
+    source (docs/capture-vllm.md, "MLA targets"). What is no longer in the way: the final layer's output
+    is captured (`deepseek_v2.py` forward, `end_layer in aux_hidden_state_layers`, upstream #46973);
+    `kimi_k2` is in `is_deepseek_mla`'s allowlist (the #45764 gap is the `eagle` wrapper branch only);
+    the hidden-state cache lands in one KV cache group with MLA layers exactly as with full-attention
+    layers (`get_kv_cache_groups`' UniformTypeKVCacheSpecs path, kv_cache_utils.py:2189), where the connector finds it; the CPU
+    build has an MLA backend (CPU_MLA). What is: id 0 crashes in `DeepseekV2Model.forward` (`hidden_states
+    + residual` with `residual` still None before the first layer), and a full capture of a tiny
+    DeepSeek-V3 on the CPU build returns states that differ from transformers' from layer 1 on (0.17 max
+    abs at layer 1, 0.82 on the final state, values ~3.4; token 0 equal), cause not established, and no
+    GPU with vLLM to compare on. nestling's store promises the hf backend's states, so MLA stays refused.
     """
     text = config.get("text_config") or config
     kind = text.get("model_type", config.get("model_type", "?"))
-    if text.get("kv_lora_rank") or kind in {"deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_v32"}:
+    if text.get("kv_lora_rank") or kind in MLA_TYPES:
         raise NestlingError(
-            f"the vllm capture backend cannot serve {kind} targets: they use MLA attention, which vLLM "
-            f"{TESTED_VLLM[0]}'s extract_hidden_states path does not support; {HF_HINT}."
+            f"the vllm capture backend refuses {kind} targets (MLA attention): vLLM {TESTED_VLLM[0]}'s states for "
+            f"them do not match transformers'; measured on vLLM's CPU MLA backend, 0.17 max abs difference already "
+            f"at layer 1 of a tiny DeepSeek-V3; layer id 0 fails in vLLM's deepseek_v2 forward (residual is None "
+            f"before the first layer); DeepSeek-V4's hidden-state cache grouping is an open upstream bug (vLLM "
+            f"#53074); details in docs/capture-vllm.md. {HF_HINT[0].upper()}{HF_HINT[1:]}."
         )
     if config.get("is_encoder_decoder"):
         raise NestlingError(f"the vllm capture backend handles decoder-only targets, not {kind}; {HF_HINT}.")

@@ -203,9 +203,11 @@ def _finish_dequantize(model, dtype) -> None:
             p.data = p.data.to(dtype)
 
 
-def load_model(target: str | Path, dtype: str = "bfloat16", device: str = "cpu", device_map: str | None = None):
+def load_model(target: str | Path, dtype: str = "bfloat16", device: str = "cpu", device_map: str | None = None,
+               tp_size: int = 1):
     """The target as an eval-mode transformers model with SDPA attention; a quantized checkpoint
-    comes back with dense weights (`quantized_load_kwargs`)."""
+    comes back with dense weights (`quantized_load_kwargs`). `tp_size` > 1 (under torchrun, one process
+    per rank): this rank's slice of transformers' tensor-parallel plan, on cuda:LOCAL_RANK or the CPU."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -216,12 +218,16 @@ def load_model(target: str | Path, dtype: str = "bfloat16", device: str = "cpu",
     kw.update(quantized)
     if device_map:
         kw["device_map"] = device_map
+    if tp_size > 1:
+        from transformers.distributed import DistributedConfig
+
+        kw["distributed_config"] = DistributedConfig(tp_size=tp_size)
     with warnings.catch_warnings():  # "you passed quantization_config ... the model's will be used": meant so
         warnings.filterwarnings("ignore", message=".*already has a `quantization_config` attribute.*")
         model = AutoModelForCausalLM.from_pretrained(path, **kw)
     if quantized:
         _finish_dequantize(model, getattr(torch, dtype))
-    if not device_map:
+    if not device_map and tp_size == 1:
         model = model.to(device)
     return model.eval()
 

@@ -49,16 +49,18 @@ ARCH_CONFIGS: dict[str, dict] = {
 
 
 def build_tiny_target(arch: str, out: Path, tokenizer_dir: Path | None = None, seed: int = 0,
-                      num_layers: int | None = None) -> Path:
-    """Write a random-weight model of `arch` plus a tokenizer to `out` (a normal HF folder, built once)."""
+                      num_layers: int | None = None, overrides: dict | None = None) -> Path:
+    """Write a random-weight model of `arch` plus a tokenizer to `out` (a normal HF folder, built once).
+    `overrides` replaces config values (e.g. num_key_value_heads=2, which a TP=2 plan can split)."""
     from nestling.assets import build_once
 
     if arch not in ARCH_CONFIGS:
         raise NestlingError(f"unknown tiny architecture {arch!r}; known: {', '.join(ARCH_CONFIGS)}")
-    return build_once(Path(out), lambda tmp: _build(arch, tmp, tokenizer_dir, seed, num_layers))
+    return build_once(Path(out), lambda tmp: _build(arch, tmp, tokenizer_dir, seed, num_layers, overrides))
 
 
-def _build(arch: str, out: Path, tokenizer_dir: Path | None, seed: int, num_layers: int | None) -> None:
+def _build(arch: str, out: Path, tokenizer_dir: Path | None, seed: int, num_layers: int | None,
+           overrides: dict | None = None) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -66,7 +68,7 @@ def _build(arch: str, out: Path, tokenizer_dir: Path | None, seed: int, num_laye
         from nestling.assets import smollm2_dir
 
         tokenizer_dir = smollm2_dir()
-    cfg_kw = dict(ARCH_CONFIGS[arch])
+    cfg_kw = dict(ARCH_CONFIGS[arch]) | dict(overrides or {})
     if num_layers is not None:
         cfg_kw["num_hidden_layers"] = num_layers
         if "layer_types" in cfg_kw:
