@@ -2,6 +2,9 @@
 
 The trainer's tests must not depend on the capture stage's code, only on its on-disk format, so
 this writes exactly what the format says: safetensors shards, index.json, manifest.json.
+
+It also holds what the train tests share: `run_cli` (the CLI in a subprocess), `train_killed_at`
+(kill -9 mid-training) and `assert_same_weights` (two runs' weights, bit for bit).
 """
 
 from __future__ import annotations
@@ -132,6 +135,35 @@ def run_cli(args: list[str], env_extra: dict | None = None, torchrun: int = 0, p
     if popen:
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def train_killed_at(data: Path, out: Path, args: list[str], step: int) -> None:
+    """`nestling train DATA --out OUT ARGS` in a subprocess, killed -9 as soon as its step-STEP checkpoint
+    is whole: a crash mid-run that `--resume` must recover from."""
+    import os
+    import signal
+    import time
+
+    proc = run_cli(["train", str(data), "--out", str(out), *args], popen=True)
+    first = out / "checkpoints" / f"step-{step:08d}" / "state.json"
+    deadline = time.time() + 240
+    while not first.exists():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "manifest.json").exists()  # it really died mid-run
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    """The two training folders' model.safetensors hold the same tensors, bit for bit."""
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
 
 
 @pytest.fixture(scope="module", name="tiny")

@@ -293,6 +293,16 @@ def test_a_capture_of_the_pre_norm_final_state_is_refused(capture, tmp_path):
     assert not (tmp_path / "train" / "manifest.json").exists()
 
 
+def _target_without(target: Path, copy: Path, tensor: str) -> Path:
+    """A copy of `target` whose checkpoint lacks `tensor`: a target made differently from the usual."""
+    shutil.copytree(target, copy)
+    (weights,) = copy.glob("*.safetensors")
+    t = load_file(str(weights))
+    del t[tensor]
+    save_file(t, str(weights), metadata={"format": "pt"})
+    return copy
+
+
 def test_a_target_without_a_final_norm_tensor_trains_and_vllm_capture_refuses_it(capture, tiny_target, tmp_path):
     """The trainer reads only the target's embedding and lm_head (the capture stores the post-norm final
     state), so a target whose checkpoint has no final norm tensor still trains; the vllm capture backend,
@@ -300,12 +310,7 @@ def test_a_target_without_a_final_norm_tensor_trains_and_vllm_capture_refuses_it
     from nestling.capture.vllm import final_norm
     from nestling.targets.load import target_fingerprint
 
-    target = tmp_path / "target"
-    shutil.copytree(tiny_target("llama"), target)
-    (weights,) = target.glob("*.safetensors")
-    t = load_file(str(weights))
-    del t["model.norm.weight"]
-    save_file(t, str(weights), metadata={"format": "pt"})
+    target = _target_without(tiny_target("llama"), tmp_path / "target", "model.norm.weight")
     cap = tmp_path / "capture"  # the standard capture, recorded as made from the norm-less copy
     shutil.copytree(capture, cap)
     m = json.loads((cap / "manifest.json").read_text())
@@ -320,11 +325,6 @@ def test_a_target_without_a_final_norm_tensor_trains_and_vllm_capture_refuses_it
 def test_a_target_without_an_embedding_tensor_is_refused_by_name(tiny_target, tmp_path):
     from nestling.train.head import read_head
 
-    target = tmp_path / "target"
-    shutil.copytree(tiny_target("llama"), target)
-    (weights,) = target.glob("*.safetensors")
-    t = load_file(str(weights))
-    del t["model.embed_tokens.weight"]
-    save_file(t, str(weights), metadata={"format": "pt"})
+    target = _target_without(tiny_target("llama"), tmp_path / "target", "model.embed_tokens.weight")
     with pytest.raises(NestlingError, match="cannot find the embedding tensor .*model.embed_tokens.weight"):
         read_head(target, 49152, 128)

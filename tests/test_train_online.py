@@ -8,14 +8,11 @@ has the same losses, kill -9 + --resume and 2-process DDP behave as offline.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from capture_fixture import make_samples, one_thread, run_cli, threads  # noqa: F401 (autouse fixture)
+from capture_fixture import assert_same_weights, make_samples, one_thread, run_cli, threads, train_killed_at  # noqa: F401 (autouse fixture)
 from safetensors.torch import load_file
 
 from nestling.cli import main
@@ -140,24 +137,12 @@ def test_online_kill_then_resume_equals_straight_run(data, target, tmp_path):
     assert main(["train", str(data), "--out", str(straight), *args]) == 0
 
     out = tmp_path / "killed"
-    proc = run_cli(["train", str(data), "--out", str(out), *args], popen=True)
-    first = out / "checkpoints" / "step-00000003" / "state.json"
-    deadline = time.time() + 240
-    while not first.exists():
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.time() < deadline
-        time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (out / "manifest.json").exists()
+    train_killed_at(data, out, args, step=3)
 
     r = run_cli(["train", str(data), "--out", str(out), *args, "--resume"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "resumed from" in r.stderr
-    a, b = load_file(str(straight / "model.safetensors")), load_file(str(out / "model.safetensors"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    assert_same_weights(straight, out)
     assert _losses(straight) == _losses(out)
 
 

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from capture_fixture import cached_capture, one_thread  # noqa: F401 (autouse fixture)
+from capture_fixture import assert_same_weights, cached_capture, one_thread  # noqa: F401 (autouse fixture)
 from safetensors.torch import load_file
 
 from nestling.errors import NestlingError
@@ -99,9 +99,8 @@ def test_resume_is_exact_with_muon_noise_and_a_frozen_head(capture, tmp_path, no
     train(capture, straight, s)
     resumed = tmp_path / "resumed"  # a new folder, resumed from the straight run's checkpoint (--resume-from)
     train(capture, resumed, s, resume=straight / "checkpoints" / "step-00000004")
-    a, b = load_file(str(straight / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert ("fc_norm.2.weight" in a) == bool(norms)
+    assert_same_weights(straight, resumed)
+    assert ("fc_norm.2.weight" in load_file(str(straight / "model.safetensors"))) == bool(norms)
     sa, sb = (torch.load(p / "checkpoints" / "step-00000008" / "optimizer.pt", weights_only=True)
               for p in (straight, resumed))
     for part in ("muon", "adamw"):

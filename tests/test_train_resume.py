@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import time
 
 import pytest
 import torch
-from capture_fixture import cached_capture, one_thread, run_cli  # noqa: F401
-from safetensors.torch import load_file
+from capture_fixture import assert_same_weights, cached_capture, one_thread, run_cli, train_killed_at  # noqa: F401
 
 ARGS = ["--steps", "12", "--ttt-steps", "3", "batch_tokens=64", "draft_vocab_size=100", "lr=3e-3",
         "checkpoint_every=4", "eval_every=4", "log_every=1", "progress_interval=100"]
@@ -38,25 +34,13 @@ def test_kill_then_resume_equals_straight_run(capture, tmp_path):
     _train_in_process(capture, straight)  # one thread, like the subprocesses: bitwise comparable
 
     out = tmp_path / "killed"
-    proc = run_cli(["train", str(capture), "--out", str(out), *ARGS], popen=True)
-    first = out / "checkpoints" / "step-00000004" / "state.json"
-    deadline = time.time() + 240
-    while not first.exists():
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.time() < deadline
-        time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (out / "manifest.json").exists()  # it really died mid-run
+    train_killed_at(capture, out, ARGS, step=4)
     assert not (out / "checkpoints" / "step-00000012").exists()
 
     r = run_cli(["train", str(capture), "--out", str(out), *ARGS, "--resume"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "resumed from" in r.stderr
-    a, b = load_file(str(straight / "model.safetensors")), load_file(str(out / "model.safetensors"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    assert_same_weights(straight, out)
     assert _train_losses(straight) == _train_losses(out)
     # the optimizer state came back too: the last checkpoints are identical
     sa = torch.load(straight / "checkpoints" / "step-00000012" / "optimizer.pt", weights_only=True)

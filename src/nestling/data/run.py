@@ -2,59 +2,36 @@
 
 `prepare_data` reads every input, normalizes each record (`normalize`), renders and masks it with
 the target's chat template (`chat`), applies the length limit, assigns the held-out split and
-writes shards (`dataset.write_shard`). Rendering and tokenizing run in worker processes over
-chunks of records (`workers`); results come back in input order, so the output does not depend on
-the number of workers, and they may start before this process has loaded transformers (`headstart`).
-Every record that is not kept as-is is counted by reason in the manifest.
+writes shards (`shards`). Rendering and tokenizing run in worker processes over chunks of records
+(`workers`); results come back in input order, so the output does not depend on the number of
+workers, and they may start before this process has loaded transformers (`headstart`). Every
+record that is not kept as-is is counted by reason in the manifest.
+
+Read top to bottom: `prepare_data` checks the inputs and claims `out`; `_prepare` is the outline
+(chat format, a finished result, the records, tokenizing into shards, the manifest), one function a step.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import hashlib
 import os
 import time
-from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 from nestling.config import to_dict
 from nestling.data import headstart
 from nestling.data import workers as work
-from nestling.data.dataset import SPLITS, Sample, split_files, write_shard
+from nestling.data.dataset import SPLITS, split_files
 from nestling.data.readers import read_inputs
 from nestling.data.settings import DataSettings
+from nestling.data.shards import Shards
 from nestling import outdir
 from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, hash_bytes, hash_file, hash_json, write_manifest
 from nestling.progress import Progress, format_duration, log
 from nestling.targets.load import TOKENIZER_FINGERPRINT_VERSION
-
-EXAMPLES_PER_REASON = 3
-
-
-def heldout_of(sample_id: str, seed: int, fraction: float) -> bool:
-    """Deterministic split: a keyed hash of the sample id, so it never depends on order or workers."""
-    if fraction <= 0:
-        return False
-    h = int.from_bytes(hashlib.blake2b(f"{seed}:{sample_id}".encode(), digest_size=8).digest(), "big")
-    return h / 2**64 < fraction
-
-
-def fingerprint_of(tokenizer_fp: str, template: str, settings: DataSettings, input_fps: list[str]) -> str:
-    relevant = {k: v for k, v in to_dict(settings).items() if k not in ("workers", "shard_samples")}
-    return hash_json({"tokenizer": tokenizer_fp, "template": hash_bytes(template.encode()),
-                      "settings": relevant, "inputs": input_fps})
-
-
-def _clear(out: Path) -> None:
-    """Remove a previous (incomplete or outdated) result: the manifest first, so a crash stays incomplete."""
-    (out / MANIFEST).unlink(missing_ok=True)
-    for split in SPLITS:
-        for f in split_files(out, split):
-            f.unlink()
-    for f in out.glob(".*.parquet.tmp"):
-        f.unlink()
 
 
 def prepare_data(inputs: list[str | Path] | str | Path, target: str | Path, out: str | Path,
@@ -64,25 +41,33 @@ def prepare_data(inputs: list[str | Path] | str | Path, target: str | Path, out:
     from nestling.targets.load import resolve_target
 
     settings = settings or DataSettings()
-    inputs = [Path(p) for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
-    if not inputs:
-        raise NestlingError("no input files given")
-    for p in inputs:
-        if not p.exists():  # type: ignore[union-attr]
-            raise NestlingError(f"input file {p} does not exist")
-        if p.is_dir():  # type: ignore[union-attr]
-            raise NestlingError(f"input {p} is a folder; give the data files themselves (e.g. {p}/*.jsonl)")
+    paths = _input_paths(inputs)
     out = Path(out)
     target_dir = resolve_target(target)
     template = read_template(settings.chat_template) if settings.chat_template else None
-    inputs_named = [("input file", p) for p in inputs] + [("target", target_dir), ("target", target),
-                                                          ("chat template", settings.chat_template)]
+    inputs_named = [("input file", p) for p in paths] + [("target", target_dir), ("target", target),
+                                                         ("chat template", settings.chat_template)]
     with outdir.claim(out, "data", inputs_named):
-        return _prepare_claimed(inputs, target_dir, template, out, settings)  # type: ignore[arg-type]
+        return _prepare_claimed(paths, target_dir, template, out, settings)
+
+
+def _input_paths(inputs: list[str | Path] | str | Path) -> list[Path]:
+    """The input files as paths, checked before anything is written: none, a missing one or a folder is refused."""
+    paths = [Path(p) for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
+    if not paths:
+        raise NestlingError("no input files given")
+    for p in paths:
+        if not p.exists():
+            raise NestlingError(f"input file {p} does not exist")
+        if p.is_dir():
+            raise NestlingError(f"input {p} is a folder; give the data files themselves (e.g. {p}/*.jsonl)")
+    return paths
 
 
 def _prepare_claimed(inputs: list[Path], target_dir: Path, template: str | None, out: Path,
                      settings: DataSettings) -> dict:
+    """`_prepare` with the head start begun first (workers tokenize while transformers loads); its
+    workers and the shared worker state are gone afterwards, however the run ends."""
     t0 = time.monotonic()
     workers = settings.workers or os.cpu_count() or 1
     early = headstart.start(inputs, target_dir, template, settings, workers, out)  # while transformers loads
@@ -92,6 +77,56 @@ def _prepare_claimed(inputs: list[Path], target_dir: Path, template: str | None,
         if early is not None:
             early.stop()
         work.STATE.clear()
+
+
+def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Path, settings: DataSettings,
+             workers: int, t0: float, early: headstart.HeadStart | None) -> dict:
+    """The stage's outline, once `out` is claimed: format, a finished result (then nothing to do), the
+    records, tokenizing into shards, the manifest last."""
+    fmt, tok_fp, verified = _chat_format(target_dir, template, early)
+    input_fps = [hash_file(p) for p in inputs]
+    fingerprint = fingerprint_of(tok_fp, fmt.template, settings, input_fps)
+    done = _finished_result(out, fingerprint)
+    if done is not None:
+        return done
+
+    records, reports, results = _read_records(inputs, settings, early, fmt, tok_fp)
+    log(f"[data] read {len(records)} records from {len(inputs)} file(s); tokenizer and records ready after {time.monotonic() - t0:.1f}s; "
+        f"loss mask by {fmt.mask_method}" + ("; tokenizer read from the target's files (verified earlier, cached)"
+                                            if verified is not None else ""))
+    _clear(out)  # our own files only: `out` is a data folder (claimed in prepare_data)
+    shards = _tokenize(records, results, fmt, out, settings, workers, target_dir, template, early)
+
+    elapsed = time.monotonic() - t0
+    manifest = write_manifest(
+        out, "data", to_dict(settings),
+        inputs={
+            "tokenizer": tok_fp,
+            "chat_template": hash_bytes(fmt.template.encode()),
+            "data": [{"path": str(p.resolve()), "fingerprint": fp, "format": r.format, "records": r.records,
+                      "stopped": r.stopped} for p, fp, r in zip(inputs, input_fps, reports)],
+        },
+        target=str(target_dir.resolve()),
+        tokenizer_fingerprint_version=TOKENIZER_FINGERPRINT_VERSION,
+        fingerprint=fingerprint,
+        mask_method=fmt.mask_method,
+        counts=shards.manifest_counts(len(records)),
+        examples=shards.examples,
+        splits=shards.stats,
+        elapsed_s=round(elapsed, 2),
+    )
+    _log_summary(shards, len(records), settings, elapsed, out)
+    return manifest
+
+
+def _chat_format(target_dir: Path, template: str | None, early: headstart.HeadStart | None) -> tuple[Any, str, str | None]:
+    """(chat format, tokenizer fingerprint, remembered fingerprint or None): the head start's own format
+    when an earlier run verified it equals AutoTokenizer's (no transformers import), else AutoTokenizer's."""
+    verified = early.recall() if early is not None else None
+    if verified is not None:
+        return early.guess, verified, verified  # type: ignore[union-attr]
+    fmt, tok_fp = _load_format(target_dir, template)
+    return fmt, tok_fp, None
 
 
 def _load_format(target_dir: Path, template: str | None) -> tuple[Any, str]:
@@ -104,17 +139,18 @@ def _load_format(target_dir: Path, template: str | None) -> tuple[Any, str]:
     return fmt, tokenizer_fingerprint(tokenizer, fmt.template)
 
 
-def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Path, settings: DataSettings,
-             workers: int, t0: float, early: headstart.HeadStart | None) -> dict:
-    from nestling.manifest import read_manifest
+def fingerprint_of(tokenizer_fp: str, template: str, settings: DataSettings, input_fps: list[str]) -> str:
+    """What the result depends on: tokenizer, template, inputs and settings, less those that do not
+    change the samples (workers, shard size)."""
+    relevant = {k: v for k, v in to_dict(settings).items() if k not in ("workers", "shard_samples")}
+    return hash_json({"tokenizer": tokenizer_fp, "template": hash_bytes(template.encode()),
+                      "settings": relevant, "inputs": input_fps})
 
-    verified = early.recall() if early is not None else None  # an earlier run checked the head start's tokenizer
-    if verified is not None:
-        fmt, tok_fp = early.guess, verified  # type: ignore[union-attr]
-    else:
-        fmt, tok_fp = _load_format(target_dir, template)
-    input_fps = [hash_file(p) for p in inputs]
-    fingerprint = fingerprint_of(tok_fp, fmt.template, settings, input_fps)  # type: ignore[union-attr]
+
+def _finished_result(out: Path, fingerprint: str) -> dict | None:
+    """The manifest of a complete result in `out` for this very fingerprint (the run is a no-op), else None;
+    says why an existing result is redone."""
+    from nestling.manifest import read_manifest
 
     if (out / MANIFEST).exists():
         try:
@@ -128,61 +164,44 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
         log(f"[data] {out} holds a result for other inputs or settings; redoing it.")
     elif out.exists() and any(out.glob("*.parquet")):
         log(f"[data] {out} holds an incomplete result (no {MANIFEST}); redoing it.")
+    return None
 
+
+def _clear(out: Path) -> None:
+    """Remove a previous (incomplete or outdated) result: the manifest first, so a crash stays incomplete."""
+    (out / MANIFEST).unlink(missing_ok=True)
+    for split in SPLITS:
+        for f in split_files(out, split):
+            f.unlink()
+    for f in out.glob(".*.parquet.tmp"):
+        f.unlink()
+
+
+def _read_records(inputs: list[Path], settings: DataSettings, early: headstart.HeadStart | None, fmt: Any,
+                  tok_fp: str) -> tuple[list, list, Iterator[list[work.Outcome]] | None]:
+    """(records, per-file reports, the head start's results or None): the head start already read the
+    inputs; its results count only if its format is `fmt` (else its workers are stopped)."""
     if early is not None:
-        records, reports, results = early.records, early.reports, early.take(fmt, tok_fp)
-    else:
-        records, reports, results = *read_inputs(inputs, settings.limit), None
-    log(f"[data] read {len(records)} records from {len(inputs)} file(s); tokenizer and records ready after {time.monotonic() - t0:.1f}s; "
-        f"loss mask by {fmt.mask_method}" + ("; tokenizer read from the target's files (verified earlier, cached)"  # type: ignore[union-attr]
-                                            if verified is not None else ""))
-    _clear(out)  # our own files only: `out` is a data folder (claimed in prepare_data)
+        return early.records, early.reports, early.take(fmt, tok_fp)
+    return *read_inputs(inputs, settings.limit), None
 
+
+def _tokenize(records: list, results: Iterator[list[work.Outcome]] | None, fmt: Any, out: Path,
+              settings: DataSettings, workers: int, target_dir: Path, template: str | None,
+              early: headstart.HeadStart | None) -> Shards:
+    """Every record rendered, tokenized and written to shards in input order: from the head start's
+    `results` when kept, else in this process (one worker) or a fresh pool of worker processes."""
     ranges = work.spans(len(records))
     workers = max(1, min(workers, len(ranges)))
     work.share(fmt, settings, records)
-
-    counts: Counter = Counter()
-    altered: Counter = Counter()
-    rows_dropped: Counter = Counter()
-    examples: dict[str, list[str]] = {}
-    buffers: dict[str, list[Sample]] = {s: [] for s in SPLITS}
-    stats: dict[str, dict[str, Any]] = {s: {"samples": 0, "tokens": 0, "supervised_tokens": 0, "files": []} for s in SPLITS}
+    shards = Shards(out, settings)
     # With the head start's results, rates count from when its workers started.
     progress = Progress("data", total=len(records), unit="conv",
                         started=early.started if results is not None else time.monotonic())  # type: ignore[union-attr]
 
-    def flush(split: str) -> None:
-        if buffers[split]:
-            path = out / f"{split}-{len(stats[split]['files']):05d}.parquet"
-            write_shard(path, buffers[split])
-            stats[split]["files"].append(path.name)
-            buffers[split] = []
-
     def consume(outcomes: list[work.Outcome]) -> None:
-        tokens = 0
-        for o in outcomes:
-            for a in o.altered:
-                altered[a] += 1
-            if o.drop is not None:
-                counts[o.drop] += 1
-                ex = examples.setdefault(o.drop, [])
-                if len(ex) < EXAMPLES_PER_REASON:
-                    ex.append(f"{o.sample_id}: {o.detail}" if o.detail else o.sample_id)
-                continue
-            rows_dropped.update(o.rows_dropped)
-            # by the conversation's id: every row of a conversation lands in the same split
-            split = "heldout" if heldout_of(o.sample_id, settings.seed, settings.held_out) else "train"
-            st = stats[split]
-            for r in o.rows:
-                buffers[split].append(Sample(r.sample_id, o.source_index, r.input_ids, r.loss_mask))  # type: ignore[arg-type]
-                st["samples"] += 1
-                st["tokens"] += len(r.input_ids)
-                st["supervised_tokens"] += int(r.loss_mask.sum())
-                tokens += len(r.input_ids)
-                if len(buffers[split]) >= settings.shard_samples:
-                    flush(split)
-        progress.update(len(outcomes), tokens=tokens, kept=stats["train"]["samples"] + stats["heldout"]["samples"])
+        tokens = shards.add(outcomes)
+        progress.update(len(outcomes), tokens=tokens, kept=shards.rows)
 
     if results is not None:
         for outcomes in results:
@@ -199,40 +218,21 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
             pool.terminate()
             pool.join()
     work.STATE.clear()
-    for split in SPLITS:
-        flush(split)
+    shards.close()
     progress.close()
+    return shards
 
-    kept = stats["train"]["samples"] + stats["heldout"]["samples"]  # rows
-    kept_records = len(records) - sum(counts.values())
-    elapsed = time.monotonic() - t0
-    manifest = write_manifest(
-        out, "data", to_dict(settings),
-        inputs={
-            "tokenizer": tok_fp,
-            "chat_template": hash_bytes(fmt.template.encode()),  # type: ignore[union-attr]
-            "data": [{"path": str(p.resolve()), "fingerprint": fp, "format": r.format, "records": r.records,
-                      "stopped": r.stopped} for p, fp, r in zip(inputs, input_fps, reports)],
-        },
-        target=str(target_dir.resolve()),
-        tokenizer_fingerprint_version=TOKENIZER_FINGERPRINT_VERSION,
-        fingerprint=fingerprint,
-        mask_method=fmt.mask_method,  # type: ignore[union-attr]
-        counts={"read": len(records), "kept": kept_records, "dropped": dict(sorted(counts.items())),
-                "altered": dict(sorted(altered.items())), "rows": kept,
-                "rows_dropped": dict(sorted(rows_dropped.items()))},
-        examples=examples,
-        splits=stats,
-        elapsed_s=round(elapsed, 2),
-    )
+
+def _log_summary(shards: Shards, read: int, settings: DataSettings, elapsed: float, out: Path) -> None:
+    """One line for the user: what was kept and dropped (by reason), rows, tokens, held out, time."""
+    counts, stats = shards.counts, shards.stats
     dropped = sum(counts.values())
-    log(f"[data] kept {kept_records}/{len(records)} conversations ({dropped} dropped"
+    log(f"[data] kept {read - dropped}/{read} conversations ({dropped} dropped"
         + (": " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) if counts else "") + ")"
-        + (f"; {kept} rows, one per assistant turn ({sum(rows_dropped.values())} turns past max_length left out)"
+        + (f"; {shards.rows} rows, one per assistant turn ({sum(shards.rows_dropped.values())} turns past max_length left out)"
            if settings.rows == "turn" else "")
         + f"; {stats['train']['tokens']:,} train tokens ({stats['train']['supervised_tokens']:,} supervised), "
         + f"{stats['heldout']['samples']} held out; {format_duration(elapsed)} -> {out}")
-    return manifest
 
 
-__all__ = ["prepare_data", "heldout_of"]
+__all__ = ["prepare_data"]
