@@ -185,6 +185,7 @@ class Decoder:
                 end += 1
             part, where = jobs[start:end], slots[start:end]
             logits = self.sm.prefill([j.prompt for j in part], where, self.pad)
+            self.stats.prefills += 1
             idx = torch.tensor(where, device=logits.device)
             seeds = torch.tensor([j.seed for j in part], device=logits.device)
             limit = torch.tensor([j.max_tokens for j in part], device=logits.device)
@@ -226,7 +227,6 @@ class Decoder:
                 where = [free.pop() for _ in take]
                 self._fill([jobs[i] for i in take], where, prefill_tokens)
                 owner.update(zip(where, take))
-                st.prefills += 1
             live, pos = s.live.tolist(), s.pos.tolist()  # the one host sync per round
             t1 = time.monotonic()
             st.prefill_s += t1 - t0
