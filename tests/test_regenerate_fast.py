@@ -63,7 +63,11 @@ def test_fast_greedy_equals_generate_on_a_tiny_model_with_refills(arch, attentio
     got = _assert_equals_generate(engine, reqs)
     assert [c.num_tokens for c in got] == limits  # random weights: no end token, every answer hits its cap
     assert {c.finish_reason for c in got} == {"length"}
+    st = engine.stats  # where the time went: every token counted, 8 prompts prefilled through 3 slots
+    assert st.tokens == sum(limits) and st.prefills >= 3 and st.steps >= max(limits) - 1 and st.step_s > 0
     assert engine.generate(reqs[:2]) == got[:2]  # a second call reuses the decoder and its cache
+    engine.close()
+    assert f"hf engine: {sum(limits) + sum(limits[:2])} tokens; prefill" in capsys.readouterr().err
 
 
 @pytest.mark.slow
