@@ -42,24 +42,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import quality  # noqa: E402  (the shared ShareGPT split)
+from quality import parse_kv, parse_variant  # noqa: E402
 
 DATA_KEYS = {"data", "max_length", "rows"}  # variant keys that choose the training data, not the optimizer
-
-
-def parse_kv(spec: str) -> dict:
-    out: dict = {}
-    for item in filter(None, spec.split(",")):
-        k, _, v = item.partition("=")
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return out
-
-
-def parse_variant(spec: str) -> tuple[str, dict]:
-    name, _, kv = spec.partition(":")
-    return name, parse_kv(kv)
 
 
 class Bench:

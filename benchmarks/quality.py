@@ -35,6 +35,23 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assist
          "bard": "assistant", "assistant": "assistant", "system": "system"}
 
 
+def parse_kv(spec: str) -> dict:
+    """`key=value,...` from a benchmark's command line (values read as JSON where they parse: 2e-3, true)."""
+    out: dict = {}
+    for item in filter(None, spec.split(",")):
+        k, _, v = item.partition("=")
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+def parse_variant(spec: str) -> tuple[str, dict]:
+    """`NAME:key=value,...` -> (NAME, settings)."""
+    name, _, kv = spec.partition(":")
+    return name, parse_kv(kv)
+
 def split_sharegpt(out: Path, n_heldout: int, n_train: int | None,
                    source: Path | None = None) -> tuple[Path, Path, int]:
     """train.json (ShareGPT list) and heldout.jsonl (first user turn of each held-out conversation).

@@ -27,19 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import quality  # noqa: E402  (the shared split and budgets)
+from quality import parse_variant  # noqa: E402
 
-
-
-def parse_variant(spec: str) -> tuple[str, dict]:
-    name, _, kv = spec.partition(":")
-    out = {}
-    for item in filter(None, kv.split(",")):
-        k, _, v = item.partition("=")
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return name, out
 
 
 def main() -> None:
