@@ -31,7 +31,9 @@ def sharegpt_conversations(path: Path, n: int) -> list[list[dict]]:
         while text[i] in " \n\r\t,":
             i += 1
         rec, i = dec.raw_decode(text, i)
-        msgs = [{"role": roles.get(t.get("from")), "content": t.get("value") or ""} for t in rec.get("conversations", [])]
+        msgs = [
+            {"role": roles.get(t.get("from")), "content": t.get("value") or ""} for t in rec.get("conversations", [])
+        ]
         msgs = [m for m in msgs if m["role"] and m["content"].strip()]
         if len(msgs) >= 2 and msgs[0]["role"] == "user":
             out.append(msgs)
@@ -118,8 +120,13 @@ def main() -> None:
     n_tok = sum(len(s.input_ids) for s in samples)
     layer_ids = default_capture_layers(num_layers(load_config(target)))
     longest = len(samples[0].input_ids)
-    settings = CaptureSettings(device=args.device, dtype=args.dtype, token_budget=max(args.token_budget, longest),
-                               max_model_len=longest, tensor_parallel_size=args.tensor_parallel_size)
+    settings = CaptureSettings(
+        device=args.device,
+        dtype=args.dtype,
+        token_budget=max(args.token_budget, longest),
+        max_model_len=longest,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
     batches = make_batches(samples, settings.token_budget)
     results = {}
     for name in args.backends.split(","):
@@ -129,25 +136,43 @@ def main() -> None:
             r = bench_vllm(target, layer_ids, settings, batches, samples, args.generic)
         r["tokens_per_s"] = n_tok / r["capture_s"]
         results[name] = r
-        print(f"[bench] {name}: load {r['load_s']:.1f} s, capture {r['capture_s']:.2f} s, "
-              f"{r['tokens_per_s']:.0f} tokens/s, load avg {os.getloadavg()}", flush=True)
+        print(
+            f"[bench] {name}: load {r['load_s']:.1f} s, capture {r['capture_s']:.2f} s, "
+            f"{r['tokens_per_s']:.0f} tokens/s, load avg {os.getloadavg()}",
+            flush=True,
+        )
     try:
         load_avg = os.getloadavg()
     except OSError:
         load_avg = None
-    report = {"target": str(target), "device": args.device, "dtype": args.dtype, "samples": len(samples),
-              "tokens": n_tok, "longest": longest, "token_budget": settings.token_budget, "layer_ids": layer_ids,
-              "machine": platform.node(), "cpus": os.cpu_count(), "load_avg_at_end": load_avg, "results": results}
+    report = {
+        "target": str(target),
+        "device": args.device,
+        "dtype": args.dtype,
+        "samples": len(samples),
+        "tokens": n_tok,
+        "longest": longest,
+        "token_budget": settings.token_budget,
+        "layer_ids": layer_ids,
+        "machine": platform.node(),
+        "cpus": os.cpu_count(),
+        "load_avg_at_end": load_avg,
+        "results": results,
+    }
     if "hf" in results and "vllm" in results:
         report["vllm_over_hf"] = results["vllm"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
-    print(f"{len(samples)} samples, {n_tok:,} tokens (longest {longest}), {args.device}, {args.dtype}, "
-          f"layers {layer_ids}, load avg {load_avg}")
+    print(
+        f"{len(samples)} samples, {n_tok:,} tokens (longest {longest}), {args.device}, {args.dtype}, "
+        f"layers {layer_ids}, load avg {load_avg}"
+    )
     print(f"{'backend':8} {'load s':>8} {'capture s':>10} {'tokens/s':>10}")
     for name, r in results.items():
         print(f"{name:8} {r['load_s']:8.1f} {r['capture_s']:10.2f} {r['tokens_per_s']:10.0f}")
         if "generic_capture_s" in r:
-            print(f"{'  (capture() via scratch file)':30} {r['generic_capture_s']:8.2f} s = "
-                  f"{n_tok / r['generic_capture_s']:.0f} tokens/s")
+            print(
+                f"{'  (capture() via scratch file)':30} {r['generic_capture_s']:8.2f} s = "
+                f"{n_tok / r['generic_capture_s']:.0f} tokens/s"
+            )
     if "vllm_over_hf" in report:
         print(f"vllm / hf = {report['vllm_over_hf']:.2f}x")
     args.json.write_text(json.dumps(report, indent=2))

@@ -33,9 +33,18 @@ from nestling.capture.store import batches, bytes_per_token, plan_shards  # noqa
 from nestling.data.dataset import Sample  # noqa: E402
 from nestling.targets.layers import default_capture_layers  # noqa: E402
 
-LLAMA8B = dict(hidden_size=4096, num_hidden_layers=32, vocab_size=128256, intermediate_size=14336,
-               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
-               rope_theta=500000.0, tie_word_embeddings=False)
+LLAMA8B = dict(
+    hidden_size=4096,
+    num_hidden_layers=32,
+    vocab_size=128256,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+)
 
 
 def build_model(shape: str, device: str, dtype: torch.dtype, target: str | None):
@@ -105,8 +114,13 @@ def main() -> None:
     layer_ids = default_capture_layers(L)
     rng = random.Random(0)
     samples = [Sample(f"s{i}", i, [rng.randrange(V) for _ in range(T)], [1] * T) for i in range(n)]
-    settings = CaptureSettings(dtype=str(dtype).split(".")[1], device=a.device, token_budget=a.token_budget,
-                               shard_size=a.shard_size, progress_interval=1e9)
+    settings = CaptureSettings(
+        dtype=str(dtype).split(".")[1],
+        device=a.device,
+        token_budget=a.token_budget,
+        shard_size=a.shard_size,
+        progress_interval=1e9,
+    )
     groups = batches(samples, a.token_budget)
     tokens = n * T
 
@@ -133,14 +147,32 @@ def main() -> None:
 
     peak = a.peak_tflops * 1e12
     res = {
-        "device": torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)",
-        "shape": a.shape, "dtype": str(dtype).split(".")[1], "layers": L, "hidden": H, "vocab": V,
-        "decoder_params": params, "layer_ids": layer_ids, "samples": n, "seq_len": T, "tokens": tokens,
-        "token_budget": a.token_budget, "batches": len(groups), "load_s": load_s,
-        "prefill_s": pre, "capture_s": cap, "capture_over_prefill": cap / pre,
-        "prefill_tok_s": tokens / pre, "capture_tok_s": tokens / cap,
-        "prefill_mfu": 2 * params * tokens / pre / peak, "capture_mfu": 2 * params * tokens / cap / peak,
-        "bytes_written": written, "write_GB_s": written / cap / 1e9, "peak_tflops": a.peak_tflops,
+        "device": torch.cuda.get_device_name()
+        if cuda
+        else f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)",
+        "shape": a.shape,
+        "dtype": str(dtype).split(".")[1],
+        "layers": L,
+        "hidden": H,
+        "vocab": V,
+        "decoder_params": params,
+        "layer_ids": layer_ids,
+        "samples": n,
+        "seq_len": T,
+        "tokens": tokens,
+        "token_budget": a.token_budget,
+        "batches": len(groups),
+        "load_s": load_s,
+        "prefill_s": pre,
+        "capture_s": cap,
+        "capture_over_prefill": cap / pre,
+        "prefill_tok_s": tokens / pre,
+        "capture_tok_s": tokens / cap,
+        "prefill_mfu": 2 * params * tokens / pre / peak,
+        "capture_mfu": 2 * params * tokens / cap / peak,
+        "bytes_written": written,
+        "write_GB_s": written / cap / 1e9,
+        "peak_tflops": a.peak_tflops,
         "torch": torch.__version__,
     }
     if a.json:
@@ -149,8 +181,10 @@ def main() -> None:
     print(f"{'':10} {'time s':>8} {'tok/s':>10} {'MFU':>7}")
     print(f"{'prefill':10} {pre:8.3f} {res['prefill_tok_s']:10,.0f} {100 * res['prefill_mfu']:6.1f}%")
     print(f"{'capture':10} {cap:8.3f} {res['capture_tok_s']:10,.0f} {100 * res['capture_mfu']:6.1f}%")
-    print(f"capture / prefill-only = {res['capture_over_prefill']:.3f}  (target <= 1.1); "
-          f"wrote {written / 1e9:.2f} GB at {res['write_GB_s']:.2f} GB/s")
+    print(
+        f"capture / prefill-only = {res['capture_over_prefill']:.3f}  (target <= 1.1); "
+        f"wrote {written / 1e9:.2f} GB at {res['write_GB_s']:.2f} GB/s"
+    )
 
 
 if __name__ == "__main__":

@@ -67,7 +67,9 @@ def main() -> None:
     cpu0 = cpu_seconds(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     try:
-        m = prepare_data([src], target, out, DataSettings(limit=args.limit, workers=args.workers, max_length=args.max_length))
+        m = prepare_data(
+            [src], target, out, DataSettings(limit=args.limit, workers=args.workers, max_length=args.max_length)
+        )
     finally:
         elapsed = time.perf_counter() - t0
         cpu_main = cpu_seconds(resource.RUSAGE_SELF) - cpu0
@@ -75,24 +77,43 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
     c, tr = m["counts"], m["splits"]["train"]
     result = {
-        "input": str(src), "target": str(target), "records_read": c["read"], "kept": c["kept"],
-        "dropped": c["dropped"], "tokens": tr["tokens"], "supervised_tokens": tr["supervised_tokens"],
-        "seconds": round(elapsed, 2), "conversations_per_s": round(c["read"] / elapsed, 1),
-        "tokens_per_s": round(tr["tokens"] / elapsed), "workers": args.workers or os.cpu_count(),
-        "cpu_count": os.cpu_count(), "load_average_before": load_before, "load_average_after": load_average(),
-        "uptime_before": uptime_before, "uptime_after": uptime(),
+        "input": str(src),
+        "target": str(target),
+        "records_read": c["read"],
+        "kept": c["kept"],
+        "dropped": c["dropped"],
+        "tokens": tr["tokens"],
+        "supervised_tokens": tr["supervised_tokens"],
+        "seconds": round(elapsed, 2),
+        "conversations_per_s": round(c["read"] / elapsed, 1),
+        "tokens_per_s": round(tr["tokens"] / elapsed),
+        "workers": args.workers or os.cpu_count(),
+        "cpu_count": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after": load_average(),
+        "uptime_before": uptime_before,
+        "uptime_after": uptime(),
         "tokenizer_match_cached": cached,  # an earlier run verified the tokenizer: no AutoTokenizer import
-        "cpu_s_main": round(cpu_main, 1), "cpu_s_workers": round(cpu_workers, 1),
-        "machine": platform.platform(), "device": args.device, "target_seconds": 60.0,
+        "cpu_s_main": round(cpu_main, 1),
+        "cpu_s_workers": round(cpu_workers, 1),
+        "machine": platform.platform(),
+        "device": args.device,
+        "target_seconds": 60.0,
         "meets_target": elapsed < 60.0 if args.limit is None else None,
     }
-    rows = [("records read", f"{c['read']:,}"), ("kept", f"{c['kept']:,}"), ("tokens", f"{tr['tokens']:,}"),
-            ("seconds", f"{elapsed:.1f}"), ("conversations/s", f"{result['conversations_per_s']:,}"),
-            ("tokens/s", f"{result['tokens_per_s']:,}"), ("workers", str(result["workers"])),
-            ("CPU s main / workers", f"{cpu_main:.1f} / {cpu_workers:.1f}"),
-            ("tokenizer match", "cached (AutoTokenizer not imported)" if cached else "verified in this run"),
-            ("load avg before / after", f"{load_before} / {result['load_average_after']}"),
-            ("target (whole file)", "< 60 s" + ("" if args.limit else f": {'met' if elapsed < 60 else 'NOT met'}"))]
+    rows = [
+        ("records read", f"{c['read']:,}"),
+        ("kept", f"{c['kept']:,}"),
+        ("tokens", f"{tr['tokens']:,}"),
+        ("seconds", f"{elapsed:.1f}"),
+        ("conversations/s", f"{result['conversations_per_s']:,}"),
+        ("tokens/s", f"{result['tokens_per_s']:,}"),
+        ("workers", str(result["workers"])),
+        ("CPU s main / workers", f"{cpu_main:.1f} / {cpu_workers:.1f}"),
+        ("tokenizer match", "cached (AutoTokenizer not imported)" if cached else "verified in this run"),
+        ("load avg before / after", f"{load_before} / {result['load_average_after']}"),
+        ("target (whole file)", "< 60 s" + ("" if args.limit else f": {'met' if elapsed < 60 else 'NOT met'}")),
+    ]
     width = max(len(k) for k, _ in rows)
     print(f"| {'data stage':<{width}} | value |\n|{'-' * (width + 2)}|-------|")
     for k, v in rows:

@@ -77,6 +77,7 @@ class Bench:
 
 # ---- prepare -----------------------------------------------------------------------------------------
 
+
 def ensure_target(b: Bench) -> None:
     """A float32 folder from the GGUF (the same bytes on every machine, so fingerprints agree)."""
     import hashlib
@@ -98,8 +99,9 @@ def ensure_target(b: Bench) -> None:
 def heldout_conversations(prompts: Path, out: Path) -> Path:
     """The held-out prompts as conversations with an assistant turn for the target to write."""
     rows = [json.loads(line) for line in prompts.read_text().splitlines() if line.strip()]
-    out.write_text("".join(json.dumps({"messages": r["messages"] + [{"role": "assistant", "content": "."}]}) + "\n"
-                           for r in rows))
+    out.write_text(
+        "".join(json.dumps({"messages": r["messages"] + [{"role": "assistant", "content": "."}]}) + "\n" for r in rows)
+    )
     return out
 
 
@@ -109,9 +111,16 @@ def regen(b: Bench, name: str, src: Path, limit: int, max_turns: int, max_new: i
 
     out = b.w / name
     extra = {"n": n} if n > 1 else {}  # greedy plus n - 1 samples per prompt
-    rs = RegenerateSettings(engine="hf", device=b.args.device, dtype="bfloat16" if b.cuda else "float32",
-                            max_new_tokens=max_new, max_turns=max_turns, limit=limit, chunk_size=b.args.regen_chunk,
-                            **extra)
+    rs = RegenerateSettings(
+        engine="hf",
+        device=b.args.device,
+        dtype="bfloat16" if b.cuda else "float32",
+        max_new_tokens=max_new,
+        max_turns=max_turns,
+        limit=limit,
+        chunk_size=b.args.regen_chunk,
+        **extra,
+    )
     m = b.timed(name, regenerate, src, b.target, out, rs)
     b.res[name] = {"counts": m["counts"], "generation": m["generation"]}
     b.save()
@@ -126,10 +135,13 @@ def tokenize(b: Bench, name: str, src: Path | list[Path], max_length: int, limit
     if (out / "manifest.json").exists():
         return out
     srcs = src if isinstance(src, list) else [src]
-    m = b.timed(name, prepare_data, srcs, b.target, out, DataSettings(max_length=max_length, held_out=0.0,
-                                                                      limit=limit, **kw))
-    b.res[name] = {"counts": m["counts"], "splits": {k: {x: v[x] for x in ("samples", "tokens", "supervised_tokens")}
-                                                     for k, v in m["splits"].items()}}
+    m = b.timed(
+        name, prepare_data, srcs, b.target, out, DataSettings(max_length=max_length, held_out=0.0, limit=limit, **kw)
+    )
+    b.res[name] = {
+        "counts": m["counts"],
+        "splits": {k: {x: v[x] for x in ("samples", "tokens", "supervised_tokens")} for k, v in m["splits"].items()},
+    }
     b.save()
     return out
 
@@ -140,8 +152,14 @@ def prepare(b: Bench) -> None:
     train_path, prompts_path, n = quality.split_sharegpt(b.w / "split", a.heldout, None, source=a.sharegpt)
     b.res["pool_conversations"] = n
     if not (b.w / "regen-eval" / "manifest.json").exists():
-        regen(b, "regen-eval", heldout_conversations(prompts_path, b.w / "split" / "heldout_conv.jsonl"), 0, 1,
-              a.eval_answer_tokens)
+        regen(
+            b,
+            "regen-eval",
+            heldout_conversations(prompts_path, b.w / "split" / "heldout_conv.jsonl"),
+            0,
+            1,
+            a.eval_answer_tokens,
+        )
     tokenize(b, "data-eval", b.w / "regen-eval" / "messages.jsonl", 4096)
     if a.regen_conversations > 0:  # 0: no target-written training data (train on data=all)
         used = regen_train(b, train_path)
@@ -185,7 +203,7 @@ def regen_train(b: Bench, train_path: Path) -> int:
             n = a.regen_conversations - n_pilot
         n = max(1, min(n, len(records) - n_pilot))
         print(f"[curve] regenerating {n:,} more conversations", flush=True)
-        rest.write_text(json.dumps(records[n_pilot:n_pilot + n]))
+        rest.write_text(json.dumps(records[n_pilot : n_pilot + n]))
     if not (b.w / "regen-rest" / "manifest.json").exists():
         regen(b, "regen-rest", rest, 0, a.regen_max_turns, a.regen_max_new_tokens, a.regen_n)
     used = len(json.loads(pilot.read_text())) + len(json.loads(rest.read_text()))
@@ -195,6 +213,7 @@ def regen_train(b: Bench, train_path: Path) -> int:
 
 # ---- training ----------------------------------------------------------------------------------------
 
+
 def data_dir(b: Bench, over: dict) -> Path:
     """The training data a variant asks for (tokenized once per distinct choice)."""
     kind = over.get("data", "regen")
@@ -202,20 +221,37 @@ def data_dir(b: Bench, over: dict) -> Path:
     if ml == b.args.max_length and rows is None and kind != "all":
         return b.w / f"data-{kind}"
     if kind not in ("regen", "human", "all"):
-        raise SystemExit(f"data={kind}: regen (target-written), human (the same conversations' ShareGPT answers) "
-                         "or all (every training conversation's ShareGPT answers)")
+        raise SystemExit(
+            f"data={kind}: regen (target-written), human (the same conversations' ShareGPT answers) "
+            "or all (every training conversation's ShareGPT answers)"
+        )
     src: list[Path] = regen_files(b) if kind == "regen" else [b.w / "split" / "train.json"]
     extra = {"rows": rows} if rows else {}
-    return tokenize(b, f"data-{kind}-{ml}-{rows or 'conv'}", src, ml,
-                    limit=b.res.get("regen_conversations") if kind == "human" else None, **extra)
+    return tokenize(
+        b,
+        f"data-{kind}-{ml}-{rows or 'conv'}",
+        src,
+        ml,
+        limit=b.res.get("regen_conversations") if kind == "human" else None,
+        **extra,
+    )
 
 
 def settings(b: Bench, over: dict, tokens: float | None = None, epochs: float | None = None, **extra):
     from nestling.train.settings import TrainSettings
 
-    s = {"device": b.args.device, "dtype": "bfloat16" if b.cuda else "float32", "batch_tokens": b.args.batch_tokens,
-         "online": True, "target": str(b.target), "heldout_data": str(b.w / "data-eval"), "eval_batches": 1000,
-         "log_every": 20, **{k: v for k, v in over.items() if k not in DATA_KEYS}, **extra}
+    s = {
+        "device": b.args.device,
+        "dtype": "bfloat16" if b.cuda else "float32",
+        "batch_tokens": b.args.batch_tokens,
+        "online": True,
+        "target": str(b.target),
+        "heldout_data": str(b.w / "data-eval"),
+        "eval_batches": 1000,
+        "log_every": 20,
+        **{k: v for k, v in over.items() if k not in DATA_KEYS},
+        **extra,
+    }
     if tokens is not None:
         s["steps"] = max(1, math.ceil(tokens / (s["batch_tokens"] * s.get("grad_accum", 1))))
     elif epochs is not None:
@@ -248,9 +284,15 @@ def train_variant(b: Bench, name: str, over: dict, **kw) -> dict:
     s = settings(b, over, **kw)
     m = b.timed(f"train {name}", train, data_dir(b, over), out, s)
     fe = m.get("final_eval") or {}
-    return {"settings": over, "steps": m.get("steps"), "tokens": m.get("steps", 0) * s.batch_tokens * s.grad_accum,
-            "sim_accept_len": fe.get("sim_accept_len"), "sim_k3": sim_k([fe.get(f"acc_{j}") for j in range(s.ttt_steps)]),
-            "acc": [fe.get(f"acc_{j}") for j in range(s.ttt_steps)], "train_seconds": b.res["seconds"][f"train {name}"]}
+    return {
+        "settings": over,
+        "steps": m.get("steps"),
+        "tokens": m.get("steps", 0) * s.batch_tokens * s.grad_accum,
+        "sim_accept_len": fe.get("sim_accept_len"),
+        "sim_k3": sim_k([fe.get(f"acc_{j}") for j in range(s.ttt_steps)]),
+        "acc": [fe.get(f"acc_{j}") for j in range(s.ttt_steps)],
+        "train_seconds": b.res["seconds"][f"train {name}"],
+    }
 
 
 def export_run(train_dir: Path, exp: Path, checkpoint: Path | None = None) -> Path:
@@ -269,13 +311,31 @@ def reference(b: Bench, train_dir: Path, name: str, checkpoint: Path | None = No
 
     exp = export_run(train_dir, b.w / f"export-{name}", checkpoint)
     a = b.args
-    rep = b.timed(f"reference {name}", evaluate, exp, b.target, b.w / "split" / "heldout.jsonl", b.w / f"eval-{name}",
-                  EvalSettings(k=3, engine="reference", max_new_tokens=a.eval_tokens, max_prompts=a.eval_prompts,
-                               device=a.device, dtype="float32", baseline=False))
+    rep = b.timed(
+        f"reference {name}",
+        evaluate,
+        exp,
+        b.target,
+        b.w / "split" / "heldout.jsonl",
+        b.w / f"eval-{name}",
+        EvalSettings(
+            k=3,
+            engine="reference",
+            max_new_tokens=a.eval_tokens,
+            max_prompts=a.eval_prompts,
+            device=a.device,
+            dtype="float32",
+            baseline=False,
+        ),
+    )
     r = rep["engines"]["reference"]
-    return {"acceptance_length": r["acceptance_length"], "per_position": r["per_position"],
-            "tokens_per_forward": r.get("mean_tokens_per_target_forward"), "prompts": a.eval_prompts,
-            "max_new_tokens": a.eval_tokens}
+    return {
+        "acceptance_length": r["acceptance_length"],
+        "per_position": r["per_position"],
+        "tokens_per_forward": r.get("mean_tokens_per_target_forward"),
+        "prompts": a.eval_prompts,
+        "max_new_tokens": a.eval_tokens,
+    }
 
 
 def ablate(b: Bench) -> None:
@@ -317,18 +377,29 @@ def equal(b: Bench) -> None:
     a = b.args
     over = {k: v for k, v in recipe(b).items() if k not in DATA_KEYS}
     train_path = b.w / "split" / "train.json"
-    dd = tokenize(b, f"data-equal-{a.equal_conversations}", train_path, 1024, limit=a.equal_conversations,
-                  **({"rows": recipe(b)["rows"]} if "rows" in recipe(b) else {}))
+    dd = tokenize(
+        b,
+        f"data-equal-{a.equal_conversations}",
+        train_path,
+        1024,
+        limit=a.equal_conversations,
+        **({"rows": recipe(b)["rows"]} if "rows" in recipe(b) else {}),
+    )
     from nestling.train.run import train
 
     out = fresh(b.w / "train-equal")
     s = settings(b, over, epochs=a.equal_epochs)
     m = b.timed("train equal", train, dd, out, s)
     fe = m.get("final_eval") or {}
-    b.res["equal"] = {"settings": over, "conversations": a.equal_conversations, "epochs": a.equal_epochs,
-                      "steps": m.get("steps"), "sim_accept_len": fe.get("sim_accept_len"),
-                      "sim_k3": sim_k([fe.get(f"acc_{j}") for j in range(s.ttt_steps)]),
-                      "reference_k3": reference(b, out, "equal")}
+    b.res["equal"] = {
+        "settings": over,
+        "conversations": a.equal_conversations,
+        "epochs": a.equal_epochs,
+        "steps": m.get("steps"),
+        "sim_accept_len": fe.get("sim_accept_len"),
+        "sim_k3": sim_k([fe.get(f"acc_{j}") for j in range(s.ttt_steps)]),
+        "reference_k3": reference(b, out, "equal"),
+    }
     b.save()
 
 
@@ -342,11 +413,22 @@ def probe_rate(b: Bench, over: dict) -> float:
         import shutil
 
         shutil.rmtree(out)
-    s = settings(b, over, tokens=b.args.probe_steps * b.args.batch_tokens * over.get("grad_accum", 1),
-                 log_every=5, eval_batches=0)
+    s = settings(
+        b,
+        over,
+        tokens=b.args.probe_steps * b.args.batch_tokens * over.get("grad_accum", 1),
+        log_every=5,
+        eval_batches=0,
+    )
     b.timed("probe", train, data_dir(b, over), out, s)
-    rates = sorted([r["tokens_per_s"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-                    if "tokens_per_s" in r][2:] or [1.0])
+    rates = sorted(
+        [
+            r["tokens_per_s"]
+            for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if "tokens_per_s" in r
+        ][2:]
+        or [1.0]
+    )
     return rates[len(rates) // 2] * 0.93  # real tokens per second; a step's budget is not always full
 
 
@@ -374,17 +456,29 @@ def curve(b: Bench) -> None:
     from nestling.train.checkpoint import list_checkpoints
 
     out = fresh(b.w / "train-curve")
-    s = settings(b, over, steps=total, eval_every=every, checkpoint_every=ck_every,
-                 keep_checkpoints=a.ref_points + 1)
+    s = settings(b, over, steps=total, eval_every=every, checkpoint_every=ck_every, keep_checkpoints=a.ref_points + 1)
     m = b.timed("train curve", train, data_dir(b, over), out, s)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     tokens_per_step = a.batch_tokens * over.get("grad_accum", 1)
-    points = [{"step": r["step"], "tokens": r["step"] * tokens_per_step, "sim_accept_len": r["sim_accept_len"],
-               "sim_k3": sim_k([r.get(f"acc_{j}") for j in range(s.ttt_steps)]),
-               "acc": [r.get(f"acc_{j}") for j in range(s.ttt_steps)]} for r in rows if r.get("split") == "heldout"]
+    points = [
+        {
+            "step": r["step"],
+            "tokens": r["step"] * tokens_per_step,
+            "sim_accept_len": r["sim_accept_len"],
+            "sim_k3": sim_k([r.get(f"acc_{j}") for j in range(s.ttt_steps)]),
+            "acc": [r.get(f"acc_{j}") for j in range(s.ttt_steps)],
+        }
+        for r in rows
+        if r.get("split") == "heldout"
+    ]
     refs: dict = {}
-    b.res["curve"] = {"settings": over, "steps": m.get("steps"), "tokens_per_step": tokens_per_step,
-                      "points": points, "reference_k3": refs}
+    b.res["curve"] = {
+        "settings": over,
+        "steps": m.get("steps"),
+        "tokens_per_step": tokens_per_step,
+        "points": points,
+        "reference_k3": refs,
+    }
     b.save()  # the curve is in the JSON before the slow decodes
     export_run(out, b.w / "export-curve")
     if a.ret == "curve":  # the draft goes back before the slow reference decodes
@@ -407,11 +501,19 @@ def plot_curve(c: dict, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.plot([p["tokens"] / 1e6 for p in c["points"]], [p["sim_k3"] for p in c["points"]], "o-",
-            label="simulated from held-out accuracies on target text, K = 3")
+    ax.plot(
+        [p["tokens"] / 1e6 for p in c["points"]],
+        [p["sim_k3"] for p in c["points"]],
+        "o-",
+        label="simulated from held-out accuracies on target text, K = 3",
+    )
     ref = sorted((int(k), v) for k, v in c["reference_k3"].items())
-    ax.plot([k * c["tokens_per_step"] / 1e6 for k, _ in ref], [v["acceptance_length"] for _, v in ref], "s--",
-            label="reference decoder, K = 3, greedy")
+    ax.plot(
+        [k * c["tokens_per_step"] / 1e6 for k, _ in ref],
+        [v["acceptance_length"] for _, v in ref],
+        "s--",
+        label="reference decoder, K = 3, greedy",
+    )
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("acceptance length (tokens per target forward)")
     ax.grid(alpha=0.3)
@@ -442,13 +544,46 @@ def parallel(b: Bench) -> None:
         for item in list(SHARED) + [d.name for d in b.w.glob("data-*")]:
             if (b.w / item).exists() and not (w / item).exists():
                 (w / item).symlink_to((b.w / item).resolve())
-        cmd = [sys.executable, __file__, "--target", str(a.target), "--sharegpt", str(a.sharegpt), "--work", str(w),
-               "--out", str(w / "out"), "--device", a.device, "--phase", phase, "--recipe", kv,
-               "--batch-tokens", str(a.batch_tokens), "--max-length", str(a.max_length),
-               "--deadline", str(a.deadline), "--reserve", str(a.reserve), "--probe-steps", str(a.probe_steps),
-               "--curve-points", str(a.curve_points), "--ref-points", str(a.ref_points if name == a.runs_ref else 1),
-               "--eval-prompts", str(a.eval_prompts), "--eval-tokens", str(a.eval_tokens),
-               "--equal-conversations", str(a.equal_conversations), "--equal-epochs", str(a.equal_epochs)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--target",
+            str(a.target),
+            "--sharegpt",
+            str(a.sharegpt),
+            "--work",
+            str(w),
+            "--out",
+            str(w / "out"),
+            "--device",
+            a.device,
+            "--phase",
+            phase,
+            "--recipe",
+            kv,
+            "--batch-tokens",
+            str(a.batch_tokens),
+            "--max-length",
+            str(a.max_length),
+            "--deadline",
+            str(a.deadline),
+            "--reserve",
+            str(a.reserve),
+            "--probe-steps",
+            str(a.probe_steps),
+            "--curve-points",
+            str(a.curve_points),
+            "--ref-points",
+            str(a.ref_points if name == a.runs_ref else 1),
+            "--eval-prompts",
+            str(a.eval_prompts),
+            "--eval-tokens",
+            str(a.eval_tokens),
+            "--equal-conversations",
+            str(a.equal_conversations),
+            "--equal-epochs",
+            str(a.equal_epochs),
+        ]
         log = open(b.w / f"run-{name}.log", "w")
         env = {**__import__("os").environ, "OMP_NUM_THREADS": "3", "PYTHONUNBUFFERED": "1"}
         procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env).pid
@@ -514,8 +649,12 @@ def wait_runs(b: Bench) -> None:
 def give_back(b: Bench, name: str, w: Path | None = None, out: Path | None = None) -> None:
     w, out = w or b.w, out or b.out
     exp = w / f"export-{name}"
-    subprocess.run(f"cd {w} && tar cf {out}/draft.tar {exp.name} && cd {out} && split -b 15M -d draft.tar "
-                   f"draft-{name}.tar. && rm draft.tar", shell=True, check=True)
+    subprocess.run(
+        f"cd {w} && tar cf {out}/draft.tar {exp.name} && cd {out} && split -b 15M -d draft.tar "
+        f"draft-{name}.tar. && rm draft.tar",
+        shell=True,
+        check=True,
+    )
     if hasattr(b, "res"):
         b.res["returned"] = name
         b.save()
@@ -526,19 +665,25 @@ def table(b: Bench) -> None:
     print("\n| run | steps | tokens | sim. K=3 (held-out target text) | acc per position | reference K=3 |")
     print("|---|---|---|---|---|---|")
     for n, v in (r.get("ablations") or {}).items():
-        print(f"| {n} {v['settings']} | {v['steps']} | {v['tokens']:,} | {v.get('sim_k3') or sim_k(v['acc']):.3f} | "
-              f"{', '.join(f'{x:.2f}' for x in v['acc'] if x is not None)} | - |")
+        print(
+            f"| {n} {v['settings']} | {v['steps']} | {v['tokens']:,} | {v.get('sim_k3') or sim_k(v['acc']):.3f} | "
+            f"{', '.join(f'{x:.2f}' for x in v['acc'] if x is not None)} | - |"
+        )
     if "equal" in r:
         e = r["equal"]
-        print(f"| equal data {e['settings']} | {e['steps']} | - | {e['sim_k3']:.3f} | - | "
-              f"{e['reference_k3']['acceptance_length']:.3f} |")
+        print(
+            f"| equal data {e['settings']} | {e['steps']} | - | {e['sim_k3']:.3f} | - | "
+            f"{e['reference_k3']['acceptance_length']:.3f} |"
+        )
     if "curve" in r:
         c = r["curve"]
         for p in c["points"]:
             ref = c["reference_k3"].get(str(p["step"])) or c["reference_k3"].get(p["step"])
             r3 = f"{ref['acceptance_length']:.3f} ({ref['tokens_per_forward']:.3f} tok/fwd)" if ref else "-"
-            print(f"| curve | {p['step']} | {p['tokens']:,} | {p['sim_k3']:.3f} | "
-                  f"{', '.join(f'{x:.2f}' for x in p['acc'] if x is not None)} | {r3} |")
+            print(
+                f"| curve | {p['step']} | {p['tokens']:,} | {p['sim_k3']:.3f} | "
+                f"{', '.join(f'{x:.2f}' for x in p['acc'] if x is not None)} | {r3} |"
+            )
     print(json.dumps(r["seconds"]), flush=True)
 
 
@@ -549,23 +694,44 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/learning-curve"))
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--phase", action="append", choices=["prepare", "ablate", "equal", "curve", "parallel", "wait"],
-                    default=[])
-    ap.add_argument("--run", action="append", default=[], help="parallel: NAME=PHASE:key=value,... (PHASE curve "
-                    "or equal), each its own process on the same device")
-    ap.add_argument("--runs-ref", default=None, help="parallel: the run that decodes --ref-points checkpoints "
-                    "(the others decode their final draft only)")
-    ap.add_argument("--deadline", type=float, default=0, help="unix time by which curve runs stop training "
-                    "(their token budget comes from a probe of their rate); 0: --curve-tokens")
+    ap.add_argument(
+        "--phase", action="append", choices=["prepare", "ablate", "equal", "curve", "parallel", "wait"], default=[]
+    )
+    ap.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        help="parallel: NAME=PHASE:key=value,... (PHASE curve or equal), each its own process on the same device",
+    )
+    ap.add_argument(
+        "--runs-ref",
+        default=None,
+        help="parallel: the run that decodes --ref-points checkpoints (the others decode their final draft only)",
+    )
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        default=0,
+        help="unix time by which curve runs stop training "
+        "(their token budget comes from a probe of their rate); 0: --curve-tokens",
+    )
     ap.add_argument("--reserve", type=float, default=120, help="seconds kept before --deadline for export and decodes")
     ap.add_argument("--probe-steps", type=int, default=40)
     ap.add_argument("--wait-until", type=float, default=math.inf, help="wait: unix time to stop waiting")
     ap.add_argument("--heldout", type=int, default=100)
     ap.add_argument("--eval-answer-tokens", type=int, default=256, help="length of the held-out target answers")
-    ap.add_argument("--regen-conversations", type=int, default=2000, help="conversations to regenerate "
-                    "(pilot included) when --regen-seconds is 0")
-    ap.add_argument("--regen-seconds", type=float, default=0, help="time budget of the regeneration: after the "
-                    "pilot, as many conversations as its rate says fit")
+    ap.add_argument(
+        "--regen-conversations",
+        type=int,
+        default=2000,
+        help="conversations to regenerate (pilot included) when --regen-seconds is 0",
+    )
+    ap.add_argument(
+        "--regen-seconds",
+        type=float,
+        default=0,
+        help="time budget of the regeneration: after the pilot, as many conversations as its rate says fit",
+    )
     ap.add_argument("--regen-pilot", type=int, default=512, help="0: no pilot, --regen-conversations in one call")
     ap.add_argument("--regen-max-turns", type=int, default=0, help="0 = every assistant turn")
     ap.add_argument("--regen-max-new-tokens", type=int, default=512)
@@ -573,11 +739,19 @@ def main() -> None:
     ap.add_argument("--regen-chunk", type=int, default=2048)
     ap.add_argument("--max-length", type=int, default=2048)
     ap.add_argument("--batch-tokens", type=int, default=16384)
-    ap.add_argument("--variant", action="append", default=[], help="NAME:key=value,... (train settings; "
-                    "data=regen|human, max_length=N, rows=turn choose the data)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME:key=value,... (train settings; data=regen|human, max_length=N, rows=turn choose the data)",
+    )
     ap.add_argument("--ablation-tokens", type=float, default=4e6)
-    ap.add_argument("--recipe", default=None, help="key=value,... for equal/curve; auto: the single changes that "
-                    "beat base, combined (default: the best ablation)")
+    ap.add_argument(
+        "--recipe",
+        default=None,
+        help="key=value,... for equal/curve; auto: the single changes that "
+        "beat base, combined (default: the best ablation)",
+    )
     ap.add_argument("--margin", type=float, default=0.005, help="--recipe auto: gain over base that counts")
     ap.add_argument("--equal-conversations", type=int, default=2000)
     ap.add_argument("--equal-epochs", type=float, default=5.0)
@@ -586,16 +760,23 @@ def main() -> None:
     ap.add_argument("--ref-points", type=int, default=3)
     ap.add_argument("--eval-prompts", type=int, default=12)
     ap.add_argument("--eval-tokens", type=int, default=160)
-    ap.add_argument("--return", dest="ret", default=None,
-                    help="curve|equal: tar that run's export into OUT right after its phase; with wait: best "
-                    "(the best curve run's draft), best-equal (the best equal run's) or a run's NAME (its equal draft)")
+    ap.add_argument(
+        "--return",
+        dest="ret",
+        default=None,
+        help="curve|equal: tar that run's export into OUT right after its phase; with wait: best "
+        "(the best curve run's draft), best-equal (the best equal run's) or a run's NAME (its equal draft)",
+    )
     args = ap.parse_args()
 
     b = Bench(args)
     for phase in args.phase:
-        {"prepare": prepare, "ablate": ablate, "equal": equal, "curve": curve, "parallel": parallel,
-         "wait": wait_runs}[phase](b)
-        if args.ret == phase in ("curve", "equal") and b.res.get("returned") != phase:  # back before a later phase runs out of time
+        {"prepare": prepare, "ablate": ablate, "equal": equal, "curve": curve, "parallel": parallel, "wait": wait_runs}[
+            phase
+        ](b)
+        if (
+            args.ret == phase in ("curve", "equal") and b.res.get("returned") != phase
+        ):  # back before a later phase runs out of time
             give_back(b, phase)
         table(b)
 

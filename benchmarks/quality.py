@@ -31,8 +31,16 @@ BUDGETS = {
 }
 DISK_BUDGET = 64 * 10**9
 BPT = 4 * 576 * 2 + 5  # capture bytes per token of SmolLM2 in bf16 (3 aux layers + final, ids, mask)
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
-         "bard": "assistant", "assistant": "assistant", "system": "system"}
+ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
 
 
 def parse_kv(spec: str) -> dict:
@@ -52,8 +60,10 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     name, _, kv = spec.partition(":")
     return name, parse_kv(kv)
 
-def split_sharegpt(out: Path, n_heldout: int, n_train: int | None,
-                   source: Path | None = None) -> tuple[Path, Path, int]:
+
+def split_sharegpt(
+    out: Path, n_heldout: int, n_train: int | None, source: Path | None = None
+) -> tuple[Path, Path, int]:
     """train.json (ShareGPT list) and heldout.jsonl (first user turn of each held-out conversation).
     `source`: the ShareGPT file (default: the one from the package index)."""
     from nestling.assets import sharegpt_json
@@ -69,8 +79,14 @@ def split_sharegpt(out: Path, n_heldout: int, n_train: int | None,
         train_path.write_text(json.dumps(train))
     lines = []
     for conv in heldout:
-        first = next((t for t in conv["conversations"] if ROLES.get(str(t.get("from")).lower()) == "user"
-                      and str(t.get("value", "")).strip()), None)
+        first = next(
+            (
+                t
+                for t in conv["conversations"]
+                if ROLES.get(str(t.get("from")).lower()) == "user" and str(t.get("value", "")).strip()
+            ),
+            None,
+        )
         if first:
             lines.append(json.dumps({"messages": [{"role": "user", "content": first["value"]}]}))
     prompts_path.write_text("\n".join(lines) + "\n")
@@ -84,37 +100,74 @@ def ngram_worker(spec_path: str, result_path: str) -> None:
     from nestling.evaluate.vllm_worker import _generate, _metrics
 
     spec = json.loads(Path(spec_path).read_text())
-    llm = LLM(model=spec["target"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], enforce_eager=True,
-              seed=0, disable_log_stats=False, speculative_config={
-                  "method": "ngram", "num_speculative_tokens": spec["k"],
-                  "prompt_lookup_max": spec["prompt_lookup_max"], "prompt_lookup_min": spec["prompt_lookup_min"]})
+    llm = LLM(
+        model=spec["target"],
+        dtype=spec["dtype"],
+        max_model_len=spec["max_model_len"],
+        enforce_eager=True,
+        seed=0,
+        disable_log_stats=False,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": spec["k"],
+            "prompt_lookup_max": spec["prompt_lookup_max"],
+            "prompt_lookup_min": spec["prompt_lookup_min"],
+        },
+    )
     params = SamplingParams(max_tokens=spec["max_new_tokens"], temperature=0.0)
     before = _metrics(llm)
     outs, dt = _generate(llm, spec["prompts"], params)
     after = _metrics(llm)
-    diff = {k: ([a - b for a, b in zip(v, before.get(k, [0.0] * len(v)))] if isinstance(v, list)
-                else v - before.get(k, 0.0)) for k, v in after.items()}
+    diff = {
+        k: (
+            [a - b for a, b in zip(v, before.get(k, [0.0] * len(v)))] if isinstance(v, list) else v - before.get(k, 0.0)
+        )
+        for k, v in after.items()
+    }
     Path(result_path).write_text(json.dumps({"metrics": diff, "seconds": dt, "tokens": sum(map(len, outs))}))
 
 
-def run_ngram(target: str, prompts: list[list[int]], k: int, max_new_tokens: int, dtype: str, work: Path,
-              lookup_max: int, lookup_min: int) -> dict:
+def run_ngram(
+    target: str,
+    prompts: list[list[int]],
+    k: int,
+    max_new_tokens: int,
+    dtype: str,
+    work: Path,
+    lookup_max: int,
+    lookup_min: int,
+) -> dict:
     from nestling.evaluate.vllm_engine import summarize_metrics
 
     spec, res = work / f"ngram-k{k}.spec.json", work / f"ngram-k{k}.json"
-    spec.write_text(json.dumps({"target": target, "prompts": prompts, "k": k, "max_new_tokens": max_new_tokens,
-                                "dtype": dtype, "prompt_lookup_max": lookup_max,
-                                # held-out ShareGPT prompts reach ~2.9k tokens: size the context to fit them
-                                "max_model_len": max(len(p) for p in prompts) + max_new_tokens + k + 1,
-                                "prompt_lookup_min": lookup_min}))
+    spec.write_text(
+        json.dumps(
+            {
+                "target": target,
+                "prompts": prompts,
+                "k": k,
+                "max_new_tokens": max_new_tokens,
+                "dtype": dtype,
+                "prompt_lookup_max": lookup_max,
+                # held-out ShareGPT prompts reach ~2.9k tokens: size the context to fit them
+                "max_model_len": max(len(p) for p in prompts) + max_new_tokens + k + 1,
+                "prompt_lookup_min": lookup_min,
+            }
+        )
+    )
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-    proc = subprocess.run([sys.executable, __file__, "--ngram-worker", str(spec), str(res)], env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--ngram-worker", str(spec), str(res)], env=env, capture_output=True, text=True
+    )
     if proc.returncode != 0:
         raise SystemExit(f"vLLM ngram run failed:\n{proc.stderr[-4000:]}")
     r = json.loads(res.read_text())
-    return {**summarize_metrics(r["metrics"], k), "seconds": r["seconds"], "tokens": r["tokens"],
-            "tokens_per_s": r["tokens"] / max(r["seconds"], 1e-9)}
+    return {
+        **summarize_metrics(r["metrics"], k),
+        "seconds": r["seconds"],
+        "tokens": r["tokens"],
+        "tokens_per_s": r["tokens"] / max(r["seconds"], 1e-9),
+    }
 
 
 def per_forward(r: dict) -> float | None:
@@ -126,8 +179,18 @@ def per_forward(r: dict) -> float | None:
     return tokens / max(tokens - accepted, 1)
 
 
-def measure(args, draft: Path, target: str, prompts_path: Path, prompts: list[list[int]], out: Path,
-            engine: str, dtype: str, baseline: bool, ngram: bool) -> tuple[list[dict], dict]:
+def measure(
+    args,
+    draft: Path,
+    target: str,
+    prompts_path: Path,
+    prompts: list[list[int]],
+    out: Path,
+    engine: str,
+    dtype: str,
+    baseline: bool,
+    ngram: bool,
+) -> tuple[list[dict], dict]:
     """Rows of the table for each K: the draft in `engine` (reference / vllm / both), then vLLM ngram."""
     from nestling.evaluate.run import evaluate
     from nestling.evaluate.settings import EvalSettings
@@ -135,24 +198,56 @@ def measure(args, draft: Path, target: str, prompts_path: Path, prompts: list[li
     rows, stage_s = [], {}
     for k in args.k:
         t = time.monotonic()
-        rep = evaluate(draft, target, prompts_path, out / f"eval-{draft.name}-k{k}",
-                       EvalSettings(k=k, engine=engine, max_new_tokens=args.max_new_tokens, baseline=baseline,
-                                    max_prompts=args.max_prompts, device=args.device, dtype=dtype))
+        rep = evaluate(
+            draft,
+            target,
+            prompts_path,
+            out / f"eval-{draft.name}-k{k}",
+            EvalSettings(
+                k=k,
+                engine=engine,
+                max_new_tokens=args.max_new_tokens,
+                baseline=baseline,
+                max_prompts=args.max_prompts,
+                device=args.device,
+                dtype=dtype,
+            ),
+        )
         stage_s[f"eval k={k}"] = time.monotonic() - t
         for eng, r in rep["engines"].items():
-            rows.append({"method": "eagle3", "engine": eng, "k": k, "acceptance_length": r["acceptance_length"],
-                         "tokens_per_forward": per_forward(r), "per_position": r["per_position"],
-                         "tokens_per_s": r.get("tokens_per_s"), "speedup": r.get("speedup"),
-                         "num_drafts": r.get("num_drafts"), "num_accepted_tokens": r.get("num_accepted_tokens"),
-                         "tokens": r.get("tokens")})
+            rows.append(
+                {
+                    "method": "eagle3",
+                    "engine": eng,
+                    "k": k,
+                    "acceptance_length": r["acceptance_length"],
+                    "tokens_per_forward": per_forward(r),
+                    "per_position": r["per_position"],
+                    "tokens_per_s": r.get("tokens_per_s"),
+                    "speedup": r.get("speedup"),
+                    "num_drafts": r.get("num_drafts"),
+                    "num_accepted_tokens": r.get("num_accepted_tokens"),
+                    "tokens": r.get("tokens"),
+                }
+            )
         if ngram:
             t = time.monotonic()
-            r = run_ngram(target, prompts, k, args.max_new_tokens, dtype, out, args.prompt_lookup_max,
-                          args.prompt_lookup_min)
+            r = run_ngram(
+                target, prompts, k, args.max_new_tokens, dtype, out, args.prompt_lookup_max, args.prompt_lookup_min
+            )
             stage_s[f"ngram k={k}"] = time.monotonic() - t
-            rows.append({"method": "ngram", "engine": "vllm", "k": k, "acceptance_length": r["acceptance_length"],
-                         "tokens_per_forward": per_forward(r), "per_position": r["per_position"],
-                         "tokens_per_s": r["tokens_per_s"], "speedup": None})
+            rows.append(
+                {
+                    "method": "ngram",
+                    "engine": "vllm",
+                    "k": k,
+                    "acceptance_length": r["acceptance_length"],
+                    "tokens_per_forward": per_forward(r),
+                    "per_position": r["per_position"],
+                    "tokens_per_s": r["tokens_per_s"],
+                    "speedup": None,
+                }
+            )
     return rows, stage_s
 
 
@@ -162,11 +257,27 @@ def evaluate_draft(args, draft: Path, target: str, prompts_path: Path, out: Path
     from nestling.targets.load import load_tokenizer
 
     prompts = load_prompts(prompts_path, load_tokenizer(target))[: args.max_prompts]
-    rows, stage_s = measure(args, draft, target, prompts_path, prompts, out, args.engines, "float32",
-                            baseline=False, ngram=not args.no_ngram)
+    rows, stage_s = measure(
+        args,
+        draft,
+        target,
+        prompts_path,
+        prompts,
+        out,
+        args.engines,
+        "float32",
+        baseline=False,
+        ngram=not args.no_ngram,
+    )
     name = draft.name
-    result = {"draft": str(draft), "target": target, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "rows": rows, "stage_seconds": stage_s}
+    result = {
+        "draft": str(draft),
+        "target": target,
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "rows": rows,
+        "stage_seconds": stage_s,
+    }
     (out / f"quality-{name}.json").write_text(json.dumps(result, indent=2))
     print_rows(f"{draft} on {len(prompts)} held-out prompts, greedy, {args.max_new_tokens} new tokens", rows, stage_s)
     print(f"\nwrote {out / f'quality-{name}.json'}")
@@ -178,8 +289,10 @@ def print_rows(title: str, rows: list[dict], stage_s: dict) -> None:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         tpf = f"{r['tokens_per_forward']:.3f}" if r.get("tokens_per_forward") else "-"
-        print(f"| {r['method']} | {r['engine']} | {r['k']} | {r['acceptance_length']:.3f} | {tpf} | "
-              f"{', '.join(f'{p:.2f}' for p in r['per_position'])} | {r.get('tokens_per_s') or 0:.1f} |")
+        print(
+            f"| {r['method']} | {r['engine']} | {r['k']} | {r['acceptance_length']:.3f} | {tpf} | "
+            f"{', '.join(f'{p:.2f}' for p in r['per_position'])} | {r.get('tokens_per_s') or 0:.1f} |"
+        )
     print("\n| stage | wall time (s) |\n|---|---|")
     for s, v in stage_s.items():
         print(f"| {s} | {v:.1f} |" if v is not None else f"| {s} | - |")
@@ -200,8 +313,11 @@ def main() -> None:
     ap.add_argument("--prompt-lookup-max", type=int, default=5)
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--target", help="target folder (default: SmolLM2-135M-Instruct from the package index)")
-    ap.add_argument("--draft", type=Path, help="evaluate this exported draft (e.g. from benchmarks/quality_gpu.py) "
-                    "instead of training one here")
+    ap.add_argument(
+        "--draft",
+        type=Path,
+        help="evaluate this exported draft (e.g. from benchmarks/quality_gpu.py) instead of training one here",
+    )
     ap.add_argument("--max-prompts", type=int, default=None, help="only the first N held-out prompts")
     ap.add_argument("--engines", default="both", choices=["reference", "vllm", "both"])
     ap.add_argument("--no-ngram", action="store_true", help="skip vLLM's ngram bar")
@@ -224,15 +340,28 @@ def main() -> None:
     target = args.target or str(smollm2_dir())
     train_path, prompts_path, n_train = split_sharegpt(out, args.heldout, budget["conversations"])
     cuda = args.device.startswith("cuda")
-    train = {"batch_tokens": args.batch_tokens, "device": "cuda" if cuda else "cpu",
-             "dtype": "bfloat16" if cuda else "float32"}
+    train = {
+        "batch_tokens": args.batch_tokens,
+        "device": "cuda" if cuda else "cpu",
+        "dtype": "bfloat16" if cuda else "float32",
+    }
     train.update({"steps": args.steps} if args.steps else {"epochs": args.epochs or budget["epochs"]})
-    data = {"target": target, "inputs": [str(train_path)], "run_dir": str(out / "run"), "prompts": str(prompts_path),
-            "data": {"max_length": 1024, "held_out": 0.02},
-            "capture": {"dtype": "bfloat16", "device": args.device},
-            "train": train,
-            "eval": {"k": args.k[0], "engine": "reference", "max_new_tokens": args.max_new_tokens,
-                     "device": args.device, "dtype": "float32" if not cuda else "bfloat16"}}
+    data = {
+        "target": target,
+        "inputs": [str(train_path)],
+        "run_dir": str(out / "run"),
+        "prompts": str(prompts_path),
+        "data": {"max_length": 1024, "held_out": 0.02},
+        "capture": {"dtype": "bfloat16", "device": args.device},
+        "train": train,
+        "eval": {
+            "k": args.k[0],
+            "engine": "reference",
+            "max_new_tokens": args.max_new_tokens,
+            "device": args.device,
+            "dtype": "float32" if not cuda else "bfloat16",
+        },
+    }
     config = load_run_config(None, STAGES, base_data=data)
     if args.draft:
         return evaluate_draft(args, args.draft, target, prompts_path, out)
@@ -242,8 +371,11 @@ def main() -> None:
         tokens = sum(v["tokens"] for v in m["splits"].values())
         if tokens * BPT > DISK_BUDGET:
             keep = int(n_train * DISK_BUDGET / (tokens * BPT) * 0.97)
-            print(f"[quality] {tokens:,} tokens x {BPT} B = {tokens * BPT / 1e9:.1f} GB > 64 GB: "
-                  f"training on the first {keep:,} conversations", flush=True)
+            print(
+                f"[quality] {tokens:,} tokens x {BPT} B = {tokens * BPT / 1e9:.1f} GB > 64 GB: "
+                f"training on the first {keep:,} conversations",
+                flush=True,
+            )
             data["data"]["limit"] = keep
             config = load_run_config(None, STAGES, base_data=data)
     t0 = time.monotonic()
@@ -252,17 +384,37 @@ def main() -> None:
 
     tok = load_tokenizer(target)
     prompts = load_prompts(prompts_path, tok)
-    rows, evals = measure(args, out / "run" / "export", target, prompts_path, prompts[: args.max_prompts], out,
-                          "reference" if args.no_vllm else "both", "float32" if not cuda else "bfloat16",
-                          baseline=True, ngram=not (args.no_vllm or args.no_ngram))
+    rows, evals = measure(
+        args,
+        out / "run" / "export",
+        target,
+        prompts_path,
+        prompts[: args.max_prompts],
+        out,
+        "reference" if args.no_vllm else "both",
+        "float32" if not cuda else "bfloat16",
+        baseline=True,
+        ngram=not (args.no_vllm or args.no_ngram),
+    )
     stage_s.update(evals)
-    result = {"budget": args.budget, "device": args.device, "train_conversations": n_train,
-              "heldout_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "rows": rows,
-              "stage_seconds": stage_s, "total_seconds": time.monotonic() - t0,
-              "train_manifest": json.loads((out / "run" / "train" / "manifest.json").read_text()).get("final_eval")}
+    result = {
+        "budget": args.budget,
+        "device": args.device,
+        "train_conversations": n_train,
+        "heldout_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "rows": rows,
+        "stage_seconds": stage_s,
+        "total_seconds": time.monotonic() - t0,
+        "train_manifest": json.loads((out / "run" / "train" / "manifest.json").read_text()).get("final_eval"),
+    }
     (out / "quality.json").write_text(json.dumps(result, indent=2))
-    print_rows(f"{args.budget}: {n_train:,} training conversations, {len(prompts)} held-out prompts, "
-               f"greedy, {args.max_new_tokens} new tokens, {args.device}", rows, stage_s)
+    print_rows(
+        f"{args.budget}: {n_train:,} training conversations, {len(prompts)} held-out prompts, "
+        f"greedy, {args.max_new_tokens} new tokens, {args.device}",
+        rows,
+        stage_s,
+    )
     print(f"\nwrote {out / 'quality.json'}")
 
 

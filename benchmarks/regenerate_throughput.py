@@ -42,8 +42,21 @@ def _server(target: Path, args, log: Path) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", str(args.max_model_len), "--dtype", args.dtype] + (["--enforce-eager"] if args.enforce_eager else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(target),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--dtype",
+        args.dtype,
+    ] + (["--enforce-eager"] if args.enforce_eager else [])
     p = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     while True:
@@ -64,11 +77,16 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--target", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--sharegpt", type=Path, help="ShareGPT JSON (default: the embedded one from the package index)")
-    ap.add_argument("--hf-batch-size", type=int, default=0, help="hf engine: requests per batch (0 = auto: 8 on CPU, 1024 on CUDA)")
+    ap.add_argument(
+        "--hf-batch-size", type=int, default=0, help="hf engine: requests per batch (0 = auto: 8 on CPU, 1024 on CUDA)"
+    )
     ap.add_argument("--device", default="cpu", help="cpu or cuda (hf engine device; vLLM picks its platform)")
     ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
-    ap.add_argument("--enforce-eager", action="store_true",
-                    help="vLLM without torch.compile / CUDA graphs (much faster start on a loaded CPU; slower steps)")
+    ap.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="vLLM without torch.compile / CUDA graphs (much faster start on a loaded CPU; slower steps)",
+    )
     ap.add_argument("--json", type=Path, default=Path("regenerate_throughput.json"))
     args = ap.parse_args()
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
@@ -83,10 +101,18 @@ def main() -> None:
     data = _sample(args.n, work / "in.jsonl", args.sharegpt)
     rows = []
     for engine in args.engines.split(","):
-        s = RegenerateSettings(engine=engine, max_new_tokens=args.max_new_tokens, max_turns=1, chunk_size=args.n,
-                               max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
-                               hf_batch_size=args.hf_batch_size, concurrency=args.n,
-                               vllm={"enforce_eager": True} if args.enforce_eager else {})
+        s = RegenerateSettings(
+            engine=engine,
+            max_new_tokens=args.max_new_tokens,
+            max_turns=1,
+            chunk_size=args.n,
+            max_model_len=args.max_model_len,
+            dtype=args.dtype,
+            device=args.device,
+            hf_batch_size=args.hf_batch_size,
+            concurrency=args.n,
+            vllm={"enforce_eager": True} if args.enforce_eager else {},
+        )
         server = None
         t0 = time.monotonic()
         if engine == "openai":
@@ -101,17 +127,33 @@ def main() -> None:
                 server.wait()
         wall = time.monotonic() - t1
         g = m["generation"]
-        rows.append({"engine": engine, "conversations": m["counts"]["kept"], "output_tokens": g["output_tokens"],
-                     "gen_s": g["seconds"], "conv_per_s": g["conversations_per_s"],
-                     "out_tok_per_s": g["output_tokens_per_s"], "load_s": round(wall - g["seconds"] + (t1 - t0), 1)})
-    print(f"\nregenerate throughput: {args.n} ShareGPT conversations, first turn, max_new_tokens {args.max_new_tokens}, "
-          f"{args.dtype}, device {args.device}")
+        rows.append(
+            {
+                "engine": engine,
+                "conversations": m["counts"]["kept"],
+                "output_tokens": g["output_tokens"],
+                "gen_s": g["seconds"],
+                "conv_per_s": g["conversations_per_s"],
+                "out_tok_per_s": g["output_tokens_per_s"],
+                "load_s": round(wall - g["seconds"] + (t1 - t0), 1),
+            }
+        )
+    print(
+        f"\nregenerate throughput: {args.n} ShareGPT conversations, first turn, max_new_tokens {args.max_new_tokens}, "
+        f"{args.dtype}, device {args.device}"
+    )
     print(f"{'engine':8} {'conv':>5} {'out tok':>8} {'gen s':>8} {'conv/s':>8} {'out tok/s':>10} {'load s':>7}")
     for r in rows:
-        print(f"{r['engine']:8} {r['conversations']:5d} {r['output_tokens']:8d} {r['gen_s']:8.1f} {r['conv_per_s']:8.3f} "
-              f"{r['out_tok_per_s']:10.1f} {r['load_s']:7.1f}")
-    args.json.write_text(json.dumps({"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                                           "results": rows}, indent=2))
+        print(
+            f"{r['engine']:8} {r['conversations']:5d} {r['output_tokens']:8d} {r['gen_s']:8.1f} {r['conv_per_s']:8.3f} "
+            f"{r['out_tok_per_s']:10.1f} {r['load_s']:7.1f}"
+        )
+    args.json.write_text(
+        json.dumps(
+            {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "results": rows},
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -52,12 +52,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch  # noqa: E402
 
 SHAPES = {
-    "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                    head_dim=128, vocab_size=128256, rope_theta=500000.0),
-    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-                    head_dim=64, vocab_size=49152, rope_theta=100000.0),
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
-                 head_dim=64, vocab_size=49152, rope_theta=10000.0),
+    "llama8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        rope_theta=500000.0,
+    ),
+    "smollm2": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        rope_theta=100000.0,
+    ),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        vocab_size=49152,
+        rope_theta=10000.0,
+    ),
 }
 TARGET_LAYERS = {"llama8b": 32, "smollm2": 30, "tiny": 8}  # --online: decoder layers of the random target
 
@@ -69,9 +90,14 @@ def build(shape: str, draft_vocab: int, K: int, device: torch.device, attention:
 
     sh = dict(SHAPES[shape])
     theta = sh.pop("rope_theta")
-    cfg = DraftConfig(**sh, draft_vocab_size=min(draft_vocab, sh["vocab_size"]), aux_layer_ids=[2, 16, 29],
-                      num_target_layers=32, rope_parameters={"rope_type": "default", "rope_theta": theta},
-                      max_position_embeddings=8192)
+    cfg = DraftConfig(
+        **sh,
+        draft_vocab_size=min(draft_vocab, sh["vocab_size"]),
+        aux_layer_ids=[2, 16, 29],
+        num_target_layers=32,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        max_position_embeddings=8192,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         draft = Eagle3Draft(cfg)
@@ -79,8 +105,9 @@ def build(shape: str, draft_vocab: int, K: int, device: torch.device, attention:
 
 
 def flops_per_step(cfg, trainable: int, N: int, L: int, K: int) -> float:
-    attn = cfg.num_hidden_layers * sum(3 * 4 * cfg.num_attention_heads * cfg.head_dim * ((L + 1) / 2 + j) * N
-                                       for j in range(K))
+    attn = cfg.num_hidden_layers * sum(
+        3 * 4 * cfg.num_attention_heads * cfg.head_dim * ((L + 1) / 2 + j) * N for j in range(K)
+    )
     return 6 * trainable * N * K + attn + 2 * cfg.hidden_size * cfg.vocab_size * N
 
 
@@ -155,10 +182,22 @@ def run_one(args, K: int) -> dict:
     fl = flops_per_step(cfg, trainable, N, L, K)
     # CUDA: allocator high-water mark of the timed steps; CPU: RSS high-water mark above the state before
     # the first step (activations, gradients, optimizer state; the latter two do not grow with K)
-    peak_mem = (torch.cuda.max_memory_allocated() if device.type == "cuda"
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0)
-    return {"K": K, "tokens_per_s": N / dt, "step_s": dt, "tflops": fl / dt / 1e12, "flops_per_step": fl,
-            "peak_mem_gib": peak_mem / 2**30, "saved_activations_gib": saved / 2**30, "trainable_params": trainable, "tokens_per_step": N}
+    peak_mem = (
+        torch.cuda.max_memory_allocated()
+        if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
+    )
+    return {
+        "K": K,
+        "tokens_per_s": N / dt,
+        "step_s": dt,
+        "tflops": fl / dt / 1e12,
+        "flops_per_step": fl,
+        "peak_mem_gib": peak_mem / 2**30,
+        "saved_activations_gib": saved / 2**30,
+        "trainable_params": trainable,
+        "tokens_per_step": N,
+    }
 
 
 def draft_step(fwd, opt, params, w_draft, w_rest, K: int, amp, device, chunk: int):
@@ -174,6 +213,7 @@ def draft_step(fwd, opt, params, w_draft, w_rest, K: int, amp, device, chunk: in
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
     return step
 
 
@@ -194,8 +234,12 @@ def build_target(shape: str, device: torch.device, dtype: torch.dtype):
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(dtype).eval()
     layers = sum(p.numel() for p in model.model.layers.parameters())
-    backend = HFBackend(Path("."), default_capture_layers(n), CaptureSettings(device=str(device), dtype=str(dtype).split(".")[-1]),
-                        model=model)
+    backend = HFBackend(
+        Path("."),
+        default_capture_layers(n),
+        CaptureSettings(device=str(device), dtype=str(dtype).split(".")[-1]),
+        model=model,
+    )
     return cfg, layers, backend, TargetStates
 
 
@@ -213,9 +257,15 @@ def run_online(args, K: int, cfg, trainable: int, step, dev_batch, amp, device, 
     H = cfg.hidden_size
     g = torch.Generator(device=device).manual_seed(1)
     L = ids.shape[1]
-    off_batch = PackedBatch(ids.to(device), cpu_batch.loss_mask.to(device), doc.to(device), pos.to(device),
-                            torch.randn(1, L, n_aux * H, device=device, dtype=amp, generator=g),
-                            torch.randn(1, L, H, device=device, dtype=amp, generator=g), L)
+    off_batch = PackedBatch(
+        ids.to(device),
+        cpu_batch.loss_mask.to(device),
+        doc.to(device),
+        pos.to(device),
+        torch.randn(1, L, n_aux * H, device=device, dtype=amp, generator=g),
+        torch.randn(1, L, H, device=device, dtype=amp, generator=g),
+        L,
+    )
     if n_aux != 3:  # the benchmark's draft takes 3 aux layers; the default ids of a 30-32 layer target give 3
         raise SystemExit(f"--online: the target's default aux layers are {n_aux}, the draft expects 3")
 
@@ -240,13 +290,28 @@ def run_online(args, K: int, cfg, trainable: int, step, dev_batch, amp, device, 
     t_tgt = timed(target_only)
     N = L
     fl_draft = flops_per_step(cfg, trainable, N, L, K)
-    fl_target = 2 * target_params * N + tcfg.num_hidden_layers * 2 * 2 * tcfg.num_attention_heads * tcfg.head_dim * (L + 1) / 2 * N
-    return {"K": K, "tokens_per_step": N, "offline_step_s": t_off, "online_step_s": t_on, "target_forward_s": t_tgt,
-            "ratio": t_on / t_off, "offline_tokens_per_s": N / t_off, "online_tokens_per_s": N / t_on,
-            "draft_flops_per_step": fl_draft, "target_flops_per_step": fl_target, "target_params": target_params,
-            "trainable_params": trainable, "offline_tflops": fl_draft / t_off / 1e12,
-            "online_draft_tflops": fl_draft / t_on / 1e12, "online_target_tflops": fl_target / t_on / 1e12,
-            "target_forward_tflops": fl_target / t_tgt / 1e12}
+    fl_target = (
+        2 * target_params * N
+        + tcfg.num_hidden_layers * 2 * 2 * tcfg.num_attention_heads * tcfg.head_dim * (L + 1) / 2 * N
+    )
+    return {
+        "K": K,
+        "tokens_per_step": N,
+        "offline_step_s": t_off,
+        "online_step_s": t_on,
+        "target_forward_s": t_tgt,
+        "ratio": t_on / t_off,
+        "offline_tokens_per_s": N / t_off,
+        "online_tokens_per_s": N / t_on,
+        "draft_flops_per_step": fl_draft,
+        "target_flops_per_step": fl_target,
+        "target_params": target_params,
+        "trainable_params": trainable,
+        "offline_tflops": fl_draft / t_off / 1e12,
+        "online_draft_tflops": fl_draft / t_on / 1e12,
+        "online_target_tflops": fl_target / t_on / 1e12,
+        "target_forward_tflops": fl_target / t_tgt / 1e12,
+    }
 
 
 def ragged_docs(L: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,21 +331,40 @@ def main_online(args, cuda: bool) -> None:
     for k in ("offline", "online_draft", "online_target", "target_forward"):
         r[f"{k}_mfu"] = r[f"{k}_tflops"] / peak
     r["online_mfu"] = r["online_draft_mfu"] + r["online_target_mfu"]
-    device_name = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
-    result = {"device": device_name, "shape": args.shape, "target_layers": TARGET_LAYERS[args.shape], "seq": args.seq,
-              "docs": args.docs, "ragged": args.ragged, "dtype": args.dtype, "compile": args.compile, "attention": args.attention,
-              "peak_tflops": peak, "torch": torch.__version__, "online": r}
+    device_name = (
+        torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    )
+    result = {
+        "device": device_name,
+        "shape": args.shape,
+        "target_layers": TARGET_LAYERS[args.shape],
+        "seq": args.seq,
+        "docs": args.docs,
+        "ragged": args.ragged,
+        "dtype": args.dtype,
+        "compile": args.compile,
+        "attention": args.attention,
+        "peak_tflops": peak,
+        "torch": torch.__version__,
+        "online": r,
+    }
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
-    print(f"online vs offline step: {args.shape} ({TARGET_LAYERS[args.shape]}-layer random target, {args.docs} "
-          f"{'ragged ' if args.ragged else ''}sample(s) per row, "
-          f"{r['target_params'] / 1e9:.2f}B decoder params) on {device_name}, 1x{args.seq} tokens/step, K={K}, "
-          f"{args.dtype}, peak {peak:.3g} TFLOP/s")
-    print(f"  offline step {1e3 * r['offline_step_s']:9.1f} ms  {r['offline_tokens_per_s']:>10,.0f} tok/s  "
-          f"MFU {100 * r['offline_mfu']:.1f}%")
-    print(f"  online step  {1e3 * r['online_step_s']:9.1f} ms  {r['online_tokens_per_s']:>10,.0f} tok/s  "
-          f"MFU {100 * r['online_mfu']:.1f}% (draft {100 * r['online_draft_mfu']:.1f}% + target "
-          f"{100 * r['online_target_mfu']:.1f}%)")
+    print(
+        f"online vs offline step: {args.shape} ({TARGET_LAYERS[args.shape]}-layer random target, {args.docs} "
+        f"{'ragged ' if args.ragged else ''}sample(s) per row, "
+        f"{r['target_params'] / 1e9:.2f}B decoder params) on {device_name}, 1x{args.seq} tokens/step, K={K}, "
+        f"{args.dtype}, peak {peak:.3g} TFLOP/s"
+    )
+    print(
+        f"  offline step {1e3 * r['offline_step_s']:9.1f} ms  {r['offline_tokens_per_s']:>10,.0f} tok/s  "
+        f"MFU {100 * r['offline_mfu']:.1f}%"
+    )
+    print(
+        f"  online step  {1e3 * r['online_step_s']:9.1f} ms  {r['online_tokens_per_s']:>10,.0f} tok/s  "
+        f"MFU {100 * r['online_mfu']:.1f}% (draft {100 * r['online_draft_mfu']:.1f}% + target "
+        f"{100 * r['online_target_mfu']:.1f}%)"
+    )
     print(f"  target forward alone {1e3 * r['target_forward_s']:.1f} ms (MFU {100 * r['target_forward_mfu']:.1f}%)")
     print(f"  ratio online / offline: {r['ratio']:.3f}x (goal for smollm2 on the H200: <= 1.2x)")
 
@@ -314,10 +398,18 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--online", action="store_const", const=True, default=None,
-                   help="compare an online step (target forward + draft step) with an offline one, at --ttt-steps")
-    p.add_argument("--ragged", action="store_true",
-                   help="--online: --docs samples of random lengths per row (the target pads within its groups)")
+    p.add_argument(
+        "--online",
+        action="store_const",
+        const=True,
+        default=None,
+        help="compare an online step (target forward + draft step) with an offline one, at --ttt-steps",
+    )
+    p.add_argument(
+        "--ragged",
+        action="store_true",
+        help="--online: --docs samples of random lengths per row (the target pads within its groups)",
+    )
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # child run of one K (CPU memory)
     args = p.parse_args()
     cuda = args.device.startswith("cuda")
@@ -351,8 +443,10 @@ def main() -> None:
                 sys.exit(out.stderr)
             r = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append(r)
-        print(f"K={K}: {r['tokens_per_s']:,.0f} tok/s, {r['tflops']:.2f} TFLOP/s, peak {r['peak_mem_gib']:.2f} GiB",
-              flush=True)
+        print(
+            f"K={K}: {r['tokens_per_s']:,.0f} tok/s, {r['tflops']:.2f} TFLOP/s, peak {r['peak_mem_gib']:.2f} GiB",
+            flush=True,
+        )
     peak = args.peak_tflops or (989.0 if cuda else cpu_peak_tflops())
     for r in rows:
         r["mfu"] = r["tflops"] / peak
@@ -362,26 +456,49 @@ def main() -> None:
     if {1, 3, 7} <= set(mem):
         d13, d37 = mem[3] - mem[1], mem[7] - mem[3]
         a13, a37 = act[3] - act[1], act[7] - act[3]
-        linear = {"per_step_gib_1_to_3": d13 / 2, "per_step_gib_3_to_7": d37 / 4,
-                  "ratio": (d37 / 4) / (d13 / 2) if d13 > 0 else None,
-                  "saved_per_step_gib_1_to_3": a13 / 2, "saved_per_step_gib_3_to_7": a37 / 4}
-    device_name = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
-    result = {"device": device_name, "shape": args.shape, "seq": args.seq, "rows": args.rows, "docs": args.docs,
-              "dtype": args.dtype, "compile": args.compile, "attention": args.attention, "peak_tflops": peak,
-              "torch": torch.__version__, "runs": rows, "memory_linearity": linear}
+        linear = {
+            "per_step_gib_1_to_3": d13 / 2,
+            "per_step_gib_3_to_7": d37 / 4,
+            "ratio": (d37 / 4) / (d13 / 2) if d13 > 0 else None,
+            "saved_per_step_gib_1_to_3": a13 / 2,
+            "saved_per_step_gib_3_to_7": a37 / 4,
+        }
+    device_name = (
+        torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    )
+    result = {
+        "device": device_name,
+        "shape": args.shape,
+        "seq": args.seq,
+        "rows": args.rows,
+        "docs": args.docs,
+        "dtype": args.dtype,
+        "compile": args.compile,
+        "attention": args.attention,
+        "peak_tflops": peak,
+        "torch": torch.__version__,
+        "runs": rows,
+        "memory_linearity": linear,
+    }
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     print()
-    print(f"train throughput: {args.shape} on {device_name}, {args.rows}x{args.seq} tokens/step, {args.dtype}, "
-          f"peak {peak:.3g} TFLOP/s")
+    print(
+        f"train throughput: {args.shape} on {device_name}, {args.rows}x{args.seq} tokens/step, {args.dtype}, "
+        f"peak {peak:.3g} TFLOP/s"
+    )
     print(f"{'K':>3} {'tok/s':>10} {'TFLOP/s':>9} {'MFU':>6} {'peak GiB':>9} {'saved GiB':>10}")
     for r in rows:
-        print(f"{r['K']:>3} {r['tokens_per_s']:>10,.0f} {r['tflops']:>9.2f} {100 * r['mfu']:>5.1f}% "
-              f"{r['peak_mem_gib']:>9.2f} {r['saved_activations_gib']:>10.3f}")
+        print(
+            f"{r['K']:>3} {r['tokens_per_s']:>10,.0f} {r['tflops']:>9.2f} {100 * r['mfu']:>5.1f}% "
+            f"{r['peak_mem_gib']:>9.2f} {r['saved_activations_gib']:>10.3f}"
+        )
     if linear:
-        print(f"memory per TTT step: peak {linear['per_step_gib_1_to_3']:.3f} GiB (K 1->3), "
-              f"{linear['per_step_gib_3_to_7']:.3f} GiB (K 3->7); saved activations "
-              f"{linear['saved_per_step_gib_1_to_3']:.3f} / {linear['saved_per_step_gib_3_to_7']:.3f} GiB")
+        print(
+            f"memory per TTT step: peak {linear['per_step_gib_1_to_3']:.3f} GiB (K 1->3), "
+            f"{linear['per_step_gib_3_to_7']:.3f} GiB (K 3->7); saved activations "
+            f"{linear['saved_per_step_gib_1_to_3']:.3f} / {linear['saved_per_step_gib_3_to_7']:.3f} GiB"
+        )
 
 
 if __name__ == "__main__":

@@ -6,5 +6,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 echo "[lint] ruff check src tests benchmarks"
 "$PY" -m ruff check src tests benchmarks
+echo "[lint] ruff format --check src tests benchmarks  (fix: ruff format src tests benchmarks)"
+"$PY" -m ruff format --check src tests benchmarks
 echo "[lint] mypy src/nestling"
 "$PY" -m mypy src/nestling

@@ -13,8 +13,10 @@ from nestling.data.dataset import Sample, write_shard
 from nestling.manifest import write_manifest
 from nestling.targets.load import tokenizer_fingerprint
 
-WORDS = ("the cat sat on a warm mat while rain fell over quiet hills and seven birds sang about "
-         "bread, rivers, numbers 42 and 1999, code like def f(x): return x*2, and questions?").split()
+WORDS = (
+    "the cat sat on a warm mat while rain fell over quiet hills and seven birds sang about "
+    "bread, rivers, numbers 42 and 1999, code like def f(x): return x*2, and questions?"
+).split()
 
 
 def _ids(tok, messages, gen: bool = False) -> list[int]:
@@ -35,8 +37,10 @@ def conversation_sample(tok, messages: list[dict], sample_id: str, index: int) -
 
 def random_conversations(n: int, seed: int, min_words: int = 2, max_words: int = 40) -> list[list[dict]]:
     rng = random.Random(seed)
+
     def text() -> str:
         return " ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words)))
+
     convs = []
     for _ in range(n):
         turns = rng.randint(1, 2)
@@ -47,8 +51,16 @@ def random_conversations(n: int, seed: int, min_words: int = 2, max_words: int =
     return convs
 
 
-def make_data_dir(out: Path, tokenizer, target: Path | str, n_train: int = 6, n_heldout: int = 2, seed: int = 0,
-                  min_words: int = 2, max_words: int = 40) -> Path:
+def make_data_dir(
+    out: Path,
+    tokenizer,
+    target: Path | str,
+    n_train: int = 6,
+    n_heldout: int = 2,
+    seed: int = 0,
+    min_words: int = 2,
+    max_words: int = 40,
+) -> Path:
     """A complete data folder (train + heldout parquet shards and a manifest) tokenized by `tokenizer`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -60,8 +72,19 @@ def make_data_dir(out: Path, tokenizer, target: Path | str, n_train: int = 6, n_
         if not ss:
             continue
         write_shard(out / f"{split}-00000.parquet", ss)
-        info[split] = {"samples": len(ss), "tokens": sum(len(s.input_ids) for s in ss),
-                       "supervised_tokens": sum(sum(s.loss_mask) for s in ss), "files": [f"{split}-00000.parquet"]}
-    write_manifest(out, "data", {"seed": seed}, inputs={"tokenizer": tokenizer_fingerprint(tokenizer), "data": ["test.jsonl"]},
-                   target=str(target), counts={"read": len(samples), "kept": len(samples)}, splits=info)
+        info[split] = {
+            "samples": len(ss),
+            "tokens": sum(len(s.input_ids) for s in ss),
+            "supervised_tokens": sum(sum(s.loss_mask) for s in ss),
+            "files": [f"{split}-00000.parquet"],
+        }
+    write_manifest(
+        out,
+        "data",
+        {"seed": seed},
+        inputs={"tokenizer": tokenizer_fingerprint(tokenizer), "data": ["test.jsonl"]},
+        target=str(target),
+        counts={"read": len(samples), "kept": len(samples)},
+        splits=info,
+    )
     return out

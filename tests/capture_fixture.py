@@ -34,8 +34,9 @@ def one_thread():
         yield
 
 
-def make_samples(n: int, seed: int, model=None, min_len: int = 8, max_len: int = 32, n_tokens: int = 120,
-                 prompt_len: int = 4):
+def make_samples(
+    n: int, seed: int, model=None, min_len: int = 8, max_len: int = 32, n_tokens: int = 120, prompt_len: int = 4
+):
     """Random prompts from a small set of ids, continued greedily by the target (the supervised part),
     like regenerated data: the target's argmax at supervised positions is the next data token.
     The prompts depend only on the sample number, so held-out samples continue training prompts."""
@@ -44,8 +45,13 @@ def make_samples(n: int, seed: int, model=None, min_len: int = 8, max_len: int =
     prompts = ids_pool[torch.randint(0, n_tokens, (n, prompt_len), generator=g)]
     if model is not None and n:
         with torch.no_grad():
-            seqs = model.generate(prompts, max_new_tokens=max_len - prompt_len, min_new_tokens=max_len - prompt_len,
-                                  do_sample=False, pad_token_id=0)
+            seqs = model.generate(
+                prompts,
+                max_new_tokens=max_len - prompt_len,
+                min_new_tokens=max_len - prompt_len,
+                do_sample=False,
+                pad_token_id=0,
+            )
     else:
         seqs = ids_pool[torch.randint(0, n_tokens, (n, max_len), generator=g)]
     lens = torch.randint(min_len, max_len + 1, (n,), generator=torch.Generator().manual_seed(seed))
@@ -58,9 +64,17 @@ def make_samples(n: int, seed: int, model=None, min_len: int = 8, max_len: int =
     return out
 
 
-def make_capture(out: Path, target: Path, layer_ids=(1, 3, 5, 6), n_train: int = 12, n_heldout: int = 4,
-                 seed: int = 0, shard_samples: int = 5, dtype: torch.dtype = torch.float32,
-                 target_fingerprint: str | None = None) -> Path:
+def make_capture(
+    out: Path,
+    target: Path,
+    layer_ids=(1, 3, 5, 6),
+    n_train: int = 12,
+    n_heldout: int = 4,
+    seed: int = 0,
+    shard_samples: int = 5,
+    dtype: torch.dtype = torch.float32,
+    target_fingerprint: str | None = None,
+) -> Path:
     from safetensors.torch import save_file
 
     from nestling.manifest import write_manifest
@@ -89,19 +103,41 @@ def make_capture(out: Path, target: Path, layer_ids=(1, 3, 5, 6), n_train: int =
                 hid_l.append(torch.stack([hs[i][0] for i in layer_ids], dim=1).to(dtype))
                 ids_l.append(ids.to(torch.int32))
                 mask_l.append(mask.to(torch.uint8))
-                index.append({"sample_id": sid, "shard": f"shard-{shard_i:05d}.safetensors",
-                              "offset": offset, "length": len(ids)})
+                index.append(
+                    {
+                        "sample_id": sid,
+                        "shard": f"shard-{shard_i:05d}.safetensors",
+                        "offset": offset,
+                        "length": len(ids),
+                    }
+                )
                 offset += len(ids)
-            save_file({"input_ids": torch.cat(ids_l), "loss_mask": torch.cat(mask_l), "hidden": torch.cat(hid_l)},
-                      str(sdir / f"shard-{shard_i:05d}.safetensors"),
-                      metadata={"layer_ids": ",".join(map(str, layer_ids)), "dtype": str(dtype).split(".")[-1]})
+            save_file(
+                {"input_ids": torch.cat(ids_l), "loss_mask": torch.cat(mask_l), "hidden": torch.cat(hid_l)},
+                str(sdir / f"shard-{shard_i:05d}.safetensors"),
+                metadata={"layer_ids": ",".join(map(str, layer_ids)), "dtype": str(dtype).split(".")[-1]},
+            )
         (sdir / "index.json").write_text(json.dumps(index))
-        splits[split] = {"samples": n, "tokens": sum(len(x[1]) for x in samples),
-                         "supervised_tokens": int(sum(int(x[2].sum()) for x in samples))}
-    write_manifest(out, "capture", {}, {"target": target_fingerprint or fingerprint(target), "tokenizer": "", "data": ""},
-                   layer_ids=layer_ids, aux_layer_ids=layer_ids[:-1], final_state="post_norm",
-                   dtype=str(dtype).split(".")[-1], hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
-                   vocab_size=cfg.vocab_size, target=str(target), splits=splits)
+        splits[split] = {
+            "samples": n,
+            "tokens": sum(len(x[1]) for x in samples),
+            "supervised_tokens": int(sum(int(x[2].sum()) for x in samples)),
+        }
+    write_manifest(
+        out,
+        "capture",
+        {},
+        {"target": target_fingerprint or fingerprint(target), "tokenizer": "", "data": ""},
+        layer_ids=layer_ids,
+        aux_layer_ids=layer_ids[:-1],
+        final_state="post_norm",
+        dtype=str(dtype).split(".")[-1],
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_hidden_layers,
+        vocab_size=cfg.vocab_size,
+        target=str(target),
+        splits=splits,
+    )
     return out
 
 

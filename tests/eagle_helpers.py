@@ -31,8 +31,14 @@ PROMPTS = [
 
 def render(target: Path, prompts: list[str]) -> list[list[int]]:
     tok = load_tokenizer(target)
-    return [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=True)["input_ids"]) for p in prompts]
+    return [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
+        for p in prompts
+    ]
 
 
 def write_prompts_jsonl(path: Path, prompts: list[str]) -> Path:
@@ -40,9 +46,15 @@ def write_prompts_jsonl(path: Path, prompts: list[str]) -> Path:
     return path
 
 
-def new_draft(target: Path, aux_ids: list[int] | None = None, draft_vocab_size: int = 1024,
-              vocab_tokens: torch.Tensor | None = None, seed: int = 0, layers: int = 1,
-              norms: dict[str, bool] | None = None) -> Eagle3Draft:
+def new_draft(
+    target: Path,
+    aux_ids: list[int] | None = None,
+    draft_vocab_size: int = 1024,
+    vocab_tokens: torch.Tensor | None = None,
+    seed: int = 0,
+    layers: int = 1,
+    norms: dict[str, bool] | None = None,
+) -> Eagle3Draft:
     """A randomly initialised draft of `layers` decoder layers for `target`, with a vocab from tokens;
     `norms`: the draft norm options (DraftConfig fields, e.g. {"fc_norm": True})."""
     from transformers import AutoConfig
@@ -51,9 +63,15 @@ def new_draft(target: Path, aux_ids: list[int] | None = None, draft_vocab_size: 
 
     hf = AutoConfig.from_pretrained(target)
     aux_ids = aux_ids or default_aux_layers(num_layers(hf))
-    cfg = DraftConfig.from_target(hf, min(draft_vocab_size, hf.vocab_size), aux_ids, target=str(target),
-                                  target_fingerprint=target_fingerprint(target), num_hidden_layers=layers,
-                                  **(norms or {}))
+    cfg = DraftConfig.from_target(
+        hf,
+        min(draft_vocab_size, hf.vocab_size),
+        aux_ids,
+        target=str(target),
+        target_fingerprint=target_fingerprint(target),
+        num_hidden_layers=layers,
+        **(norms or {}),
+    )
     torch.manual_seed(seed)
     draft = Eagle3Draft(cfg)
     counts = count_tokens([vocab_tokens if vocab_tokens is not None else torch.arange(cfg.vocab_size)], cfg.vocab_size)
@@ -72,8 +90,9 @@ def make_train_dir(draft: Eagle3Draft, out: Path) -> Path:
     c.save(out / "draft_config.json")
     save_vocab(out / "vocab.safetensors", draft.d2t, draft.t2d)
     save_file({k: v.contiguous() for k, v in draft.export_state_dict().items()}, str(out / "model.safetensors"))
-    write_manifest(out, "train", {"helper": "tests/eagle_helpers.py"}, inputs={"target": c.target_fingerprint},
-                   target=c.target)
+    write_manifest(
+        out, "train", {"helper": "tests/eagle_helpers.py"}, inputs={"target": c.target_fingerprint}, target=c.target
+    )
     return out
 
 
@@ -88,9 +107,18 @@ def greedy_sequences(target: Path, prompt_ids: list[list[int]], new_tokens: int)
     return seqs, model
 
 
-def fit_step0(target: Path, prompt_ids: list[list[int]], aux_ids: list[int] | None = None, steps: int = 300,
-              new_tokens: int = 64, draft_vocab_size: int = 1024, lr: float = 2e-3, seed: int = 0,
-              layers: int = 1, norms: dict[str, bool] | None = None) -> Eagle3Draft:
+def fit_step0(
+    target: Path,
+    prompt_ids: list[list[int]],
+    aux_ids: list[int] | None = None,
+    steps: int = 300,
+    new_tokens: int = 64,
+    draft_vocab_size: int = 1024,
+    lr: float = 2e-3,
+    seed: int = 0,
+    layers: int = 1,
+    norms: dict[str, bool] | None = None,
+) -> Eagle3Draft:
     """Fit a draft on step-0 prediction: input (tok[t+1], combine(aux[t])) at position t -> target argmax
     at t+1."""
     import time

@@ -21,8 +21,10 @@ import torch
 
 GROUP = 32
 # The decoder's Linear projections in Llama and DeepSeek-V3 (MLA: q_a/q_b, kv_a_proj_with_mqa, kv_b; MoE: experts.N.*).
-LINEAR = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|q_a_proj|q_b_proj|"
-                    r"kv_a_proj_with_mqa|kv_b_proj)\.weight$")
+LINEAR = re.compile(
+    r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|q_a_proj|q_b_proj|"
+    r"kv_a_proj_with_mqa|kv_b_proj)\.weight$"
+)
 
 
 def w4a16_scheme():
@@ -49,8 +51,9 @@ def write_quantized(src: Path, out: Path, compress, scheme, fmt: str) -> None:
             for k, v in compress(w).items():
                 packed[name[: -len("weight")] + k] = v.contiguous()
         save_file(packed, str(f), metadata={"format": "pt"})
-    qcfg = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format=fmt,
-                              quantization_status="compressed")
+    qcfg = QuantizationConfig(
+        config_groups={"group_0": scheme}, ignore=["lm_head"], format=fmt, quantization_status="compressed"
+    )
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "compressed-tensors", **qcfg.model_dump(exclude={"quant_method"})}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -66,7 +69,9 @@ def quantize_w4a16(src: Path, out: Path) -> None:
     def compress(w: torch.Tensor) -> dict:
         groups = w.unflatten(-1, (-1, GROUP))
         scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
-        return PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero}, scheme)
+        return PackedQuantizationCompressor.compress(
+            {"weight": w, "weight_scale": scale, "weight_zero_point": zero}, scheme
+        )
 
     write_quantized(src, out, compress, scheme, "pack-quantized")
 
@@ -95,12 +100,17 @@ def dequantize_folder(src: Path, out: Path) -> None:
 def quantize_w8a8(src: Path, out: Path, preset: str) -> None:
     """`src` as a W8A8 checkpoint: "FP8_DYNAMIC" (float-quantized: FP8 weights with a scale per output
     channel, activations FP8 per token at run time) or "W8A8" (int-quantized: the same in int8)."""
-    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor, IntQuantizationCompressor
+    from compressed_tensors.compressors.naive_quantized.base import (
+        FloatQuantizationCompressor,
+        IntQuantizationCompressor,
+    )
     from compressed_tensors.quantization import preset_name_to_scheme
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    fmt, compressor = {"FP8_DYNAMIC": ("float-quantized", FloatQuantizationCompressor),
-                       "W8A8": ("int-quantized", IntQuantizationCompressor)}[preset]
+    fmt, compressor = {
+        "FP8_DYNAMIC": ("float-quantized", FloatQuantizationCompressor),
+        "W8A8": ("int-quantized", IntQuantizationCompressor),
+    }[preset]
     scheme = preset_name_to_scheme(preset, ["Linear"])
     scheme.format = fmt
 
@@ -120,9 +130,13 @@ def quantized_target(dense: Path, kind: str = "w4a16") -> Path:
     key = hash_files(sorted(Path(dense).glob("*.safetensors")) + [Path(__file__)])
     name = Path(dense).name
     if kind in ("FP8_DYNAMIC", "W8A8"):
-        return build_once(cache_dir() / "tiny" / f"{name}-{kind.lower()}-{key}", lambda tmp: quantize_w8a8(dense, tmp, kind))
+        return build_once(
+            cache_dir() / "tiny" / f"{name}-{kind.lower()}-{key}", lambda tmp: quantize_w8a8(dense, tmp, kind)
+        )
     w4 = build_once(cache_dir() / "tiny" / f"{name}-w4a16-g{GROUP}-{key}", lambda tmp: quantize_w4a16(dense, tmp))
     if kind == "w4a16":
         return w4
     assert kind == "dequantized", kind
-    return build_once(cache_dir() / "tiny" / f"{name}-w4a16-g{GROUP}-dense-{key}", lambda tmp: dequantize_folder(w4, tmp))
+    return build_once(
+        cache_dir() / "tiny" / f"{name}-w4a16-g{GROUP}-dense-{key}", lambda tmp: dequantize_folder(w4, tmp)
+    )

@@ -86,8 +86,23 @@ def test_disk_precheck_refuses(tmp_path, target, data, small_fs, no_model):
 
 
 def test_real_full_disk_is_a_clear_error(tmp_path, target, data, small_fs, capsys):
-    rc = main(["capture", str(data), "--target", str(target), "--out", str(small_fs / "cap"), "--ignore-disk-check",
-               "--dtype", "float32", "--device", "cpu", "--shard-size", "100MB"])
+    rc = main(
+        [
+            "capture",
+            str(data),
+            "--target",
+            str(target),
+            "--out",
+            str(small_fs / "cap"),
+            "--ignore-disk-check",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--shard-size",
+            "100MB",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 1 and "disk is full" in err and "Traceback" not in err, err
     assert not list(small_fs.rglob("*.tmp")) and not (small_fs / "cap" / "manifest.json").exists()
@@ -101,7 +116,7 @@ def test_verify_catches_corruption(tmp_path, target, data, capsys):
     assert len(shards) >= 3
     raw = bytearray(shards[0].read_bytes())
     hdr = 8 + int.from_bytes(raw[:8], "little")
-    raw[hdr + 64: hdr + 128] = b"\xff" * 64  # NaNs in hidden
+    raw[hdr + 64 : hdr + 128] = b"\xff" * 64  # NaNs in hidden
     shards[0].write_bytes(bytes(raw))
     shards[1].write_bytes(shards[1].read_bytes()[:-1000])  # truncated
     h = CaptureDataset(out, "train")._handle(shards[2].name)
@@ -110,8 +125,8 @@ def test_verify_catches_corruption(tmp_path, target, data, capsys):
     n = int.from_bytes(raw[:8], "little")
     import json
 
-    off = json.loads(raw[8:8 + n])["hidden"]["data_offsets"]
-    raw[8 + n + off[0]: 8 + n + off[1]] = bytes(off[1] - off[0])  # all-zero hidden
+    off = json.loads(raw[8 : 8 + n])["hidden"]["data_offsets"]
+    raw[8 + n + off[0] : 8 + n + off[1]] = bytes(off[1] - off[0])  # all-zero hidden
     shards[2].write_bytes(bytes(raw))
     capsys.readouterr()
     assert main(["capture", "verify", str(out)]) == 1
@@ -164,7 +179,9 @@ def test_checksums_rebuilt_for_complete_shards_that_lack_them(tmp_path, target, 
 def test_batches_respect_token_budget():
     ss = [Sample(str(i), i, [1] * n, [0] * n) for i, n in enumerate([50, 40, 40, 30, 10, 10, 10, 200])]
     bs = batches(ss, 100)
-    assert [len(b) for b in bs] == [2, 1, 3, 1, 1] or all(len(b) * max(len(s.input_ids) for s in b) <= 100 or len(b) == 1 for b in bs)
+    assert [len(b) for b in bs] == [2, 1, 3, 1, 1] or all(
+        len(b) * max(len(s.input_ids) for s in b) <= 100 or len(b) == 1 for b in bs
+    )
     assert [s for b in bs for s in b] == ss  # order kept, nothing lost
     assert parse_size("1GB") == 10**9 and parse_size("512MiB") == 2**29 and parse_size(4096) == 4096
     with pytest.raises(NestlingError):

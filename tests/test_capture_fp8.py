@@ -46,8 +46,16 @@ def stores(tiny_target, tmp_path_factory):
     """The same data captured as float32 and as float8 (the target runs in float32 on the CPU for both)."""
     target = tiny_target("llama")
     tmp = tmp_path_factory.mktemp("fp8")
-    data = make_data_dir(tmp / "data", AutoTokenizer.from_pretrained(target), target, n_train=8, n_heldout=2,
-                         seed=5, min_words=10, max_words=30)
+    data = make_data_dir(
+        tmp / "data",
+        AutoTokenizer.from_pretrained(target),
+        target,
+        n_train=8,
+        n_heldout=2,
+        seed=5,
+        min_words=10,
+        max_words=30,
+    )
     ref = tmp / "f32"
     capture(data, target, ref, CaptureSettings(dtype="float32", **OPTS))
     fp8 = tmp / "fp8"
@@ -90,10 +98,10 @@ def test_verify_passes_good_fp8_store_and_catches_bad_scales_and_nans(stores, tm
     for shard, what in ((shards[0], "scale"), (shards[1], "nan")):
         raw = bytearray(shard.read_bytes())
         n = int.from_bytes(raw[:8], "little")
-        head = json.loads(raw[8:8 + n])
+        head = json.loads(raw[8 : 8 + n])
         if what == "scale":
             off = head["hidden_scale"]["data_offsets"][0]
-            raw[8 + n + off: 8 + n + off + 4] = bytes(4)  # a zero scale
+            raw[8 + n + off : 8 + n + off + 4] = bytes(4)  # a zero scale
         else:
             raw[8 + n + 10] = 0x7F  # float8_e4m3fn NaN
         shard.write_bytes(bytes(raw))
@@ -110,16 +118,30 @@ def test_train_runs_from_fp8_store(stores, tmp_path):
     from nestling.train.settings import TrainSettings
 
     _, _, _, fp8 = stores
-    s = TrainSettings(steps=3, batch_tokens=64, draft_vocab_size=100, ttt_steps=2, lr=3e-3, eval_batches=1,
-                      progress_interval=100.0, device="cpu")
+    s = TrainSettings(
+        steps=3,
+        batch_tokens=64,
+        draft_vocab_size=100,
+        ttt_steps=2,
+        lr=3e-3,
+        eval_batches=1,
+        progress_interval=100.0,
+        device="cpu",
+    )
     m = train(fp8, tmp_path / "train", s)
-    losses = [json.loads(x)["loss"] for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()
-              if json.loads(x).get("split") == "train"]
+    losses = [
+        json.loads(x)["loss"]
+        for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()
+        if json.loads(x).get("split") == "train"
+    ]
     assert m["stage"] == "train" and losses and all(torch.isfinite(torch.tensor(losses)))
 
 
 def test_fp8_and_bf16_stores_are_different_runs(stores, tmp_path):
     """dtype is part of the run key: a float8 capture never resumes into a float32 folder's shards."""
     target, data, ref, fp8 = stores
-    assert json.loads((ref / "manifest.json").read_text())["run_key"] != json.loads((fp8 / "manifest.json").read_text())["run_key"]
+    assert (
+        json.loads((ref / "manifest.json").read_text())["run_key"]
+        != json.loads((fp8 / "manifest.json").read_text())["run_key"]
+    )
     assert Path(fp8 / "train" / "checksums.jsonl").exists()

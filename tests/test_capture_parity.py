@@ -46,7 +46,9 @@ def close(got: torch.Tensor, ref: torch.Tensor, dtype: str, tol: float = 1e-5) -
 def data_dir(smollm2_dir, tmp_path_factory):
     """One data folder for every target here: they all share the SmolLM2 tokenizer."""
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    return make_data_dir(tmp_path_factory.mktemp("data"), tok, smollm2_dir, n_train=4, n_heldout=2, seed=1, max_words=14)
+    return make_data_dir(
+        tmp_path_factory.mktemp("data"), tok, smollm2_dir, n_train=4, n_heldout=2, seed=1, max_words=14
+    )
 
 
 def check_capture(target, data, tmp_path, dtype: str, tol: float = 1e-5):
@@ -56,8 +58,12 @@ def check_capture(target, data, tmp_path, dtype: str, tol: float = 1e-5):
     samples = load_samples(data, "train") + load_samples(data, "heldout")
     lens = sorted(len(s.input_ids) for s in samples)
     budget = int(2.5 * lens[-1])
-    m = capture(data, target, tmp_path / "cap", CaptureSettings(dtype=dtype, device="cpu", token_budget=budget,
-                                                                 progress_interval=60))
+    m = capture(
+        data,
+        target,
+        tmp_path / "cap",
+        CaptureSettings(dtype=dtype, device="cpu", token_budget=budget, progress_interval=60),
+    )
     assert m["final_state"] == "post_norm" and m["layer_ids"][-1] == m["num_layers"]
     model = load_model(target, dtype=dtype)
     ids_ = m["layer_ids"]
@@ -66,7 +72,9 @@ def check_capture(target, data, tmp_path, dtype: str, tol: float = 1e-5):
     backend = HFBackend(target, ids_, CaptureSettings(dtype=dtype, device="cpu"), model=model)
     one_batch = backend.capture([s.input_ids for s in samples])
     backend.close()
-    offsets = dict(zip([s.sample_id for s in samples], torch.tensor([0] + [len(s.input_ids) for s in samples]).cumsum(0).tolist()))
+    offsets = dict(
+        zip([s.sample_id for s in samples], torch.tensor([0] + [len(s.input_ids) for s in samples]).cumsum(0).tolist())
+    )
     seen = 0
     for split in ("train", "heldout"):
         ds = CaptureDataset(tmp_path / "cap", split)
@@ -79,7 +87,7 @@ def check_capture(target, data, tmp_path, dtype: str, tol: float = 1e-5):
             ref, logits = reference(model, item["input_ids"], ids_)
             close(got, ref, dtype, tol)
             a = offsets[item["sample_id"]]
-            close(one_batch[a:a + T], ref, dtype, tol)
+            close(one_batch[a : a + T], ref, dtype, tol)
             # id L is the post-norm state: the LM head applied to it gives the target's logits
             head = model.get_output_embeddings()
             with torch.inference_mode():

@@ -22,7 +22,9 @@ OPTS = dict(dtype="float32", device="cpu", token_budget=96, shard_size="60KB", p
 
 
 def store_files(d: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file() and p.name != "manifest.json"}
+    return {
+        str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file() and p.name != "manifest.json"
+    }
 
 
 @pytest.mark.slow
@@ -56,7 +58,9 @@ def test_kill9_then_resume_equals_uninterrupted(tiny_target, tmp_path, dtype):
     assert done < n_shards, "the run finished before it was killed; the test proves nothing"
 
     m = capture(data, target, out, CaptureSettings(**OPTS))  # the rerun
-    assert json.loads((out / "train" / "index.json").read_text()) == json.loads((ref / "train" / "index.json").read_text())
+    assert json.loads((out / "train" / "index.json").read_text()) == json.loads(
+        (ref / "train" / "index.json").read_text()
+    )
     assert store_files(out) == store_files(ref)
     assert m["run_key"] == json.loads((ref / "manifest.json").read_text())["run_key"]
     assert not list(out.rglob(".*.tmp"))

@@ -39,15 +39,33 @@ def llama_kv2(smollm2_dir):
     from nestling.assets import cache_dir
     from nestling.targets.tiny import build_tiny_target
 
-    return build_tiny_target("llama", cache_dir() / "tiny" / "llama-kv2-s0", tokenizer_dir=smollm2_dir,
-                             overrides={"num_key_value_heads": 2})
+    return build_tiny_target(
+        "llama", cache_dir() / "tiny" / "llama-kv2-s0", tokenizer_dir=smollm2_dir, overrides={"num_key_value_heads": 2}
+    )
 
 
 def _torchrun(data: Path, target: Path, out: Path, n: int = 2, *extra: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(n), "-m", "nestling", "capture", str(data),
-           "--target", str(target), "--out", str(out), "--device", "cpu", "--dtype", "float32", *extra,
-           "progress_interval=60"]
+    cmd = [
+        str(TORCHRUN),
+        "--standalone",
+        "--nproc-per-node",
+        str(n),
+        "-m",
+        "nestling",
+        "capture",
+        str(data),
+        "--target",
+        str(target),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        *extra,
+        "progress_interval=60",
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -55,13 +73,19 @@ def _torchrun(data: Path, target: Path, out: Path, n: int = 2, *extra: str) -> s
 @pytest.mark.parametrize("arch", ["deepseek_v3", "llama"])
 def test_tp2_states_equal_tp1(arch, tiny_target, llama_kv2, tmp_path):
     target = llama_kv2 if arch == "llama" else tiny_target("deepseek_v3")
-    data = make_data_dir(tmp_path / "data", AutoTokenizer.from_pretrained(target), target, n_train=6, n_heldout=2, seed=3)
+    data = make_data_dir(
+        tmp_path / "data", AutoTokenizer.from_pretrained(target), target, n_train=6, n_heldout=2, seed=3
+    )
     r = _torchrun(data, target, tmp_path / "tp2", 2, "--tensor-parallel-size", "2", "token_budget=512")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "tensor parallel over 2 ranks" in r.stderr
     assert r.stdout.count("capture written to") == 1  # rank 0 reports, the follower stays quiet
-    one = capture(data, target, tmp_path / "tp1", CaptureSettings(device="cpu", dtype="float32", token_budget=512,
-                                                                  progress_interval=60))
+    one = capture(
+        data,
+        target,
+        tmp_path / "tp1",
+        CaptureSettings(device="cpu", dtype="float32", token_budget=512, progress_interval=60),
+    )
     m2 = json.loads((tmp_path / "tp2" / "manifest.json").read_text())
     assert m2["settings"]["tensor_parallel_size"] == 2 and m2["run_key"] == one["run_key"]
     assert verify(tmp_path / "tp2") == []
@@ -92,8 +116,12 @@ def test_tp_refused_target_stops_every_rank(tiny_target, tmp_path):
 
 def test_tp_without_torchrun_names_the_command(tiny_target, tmp_path):
     with pytest.raises(NestlingError, match=r"needs 2 processes started by torchrun.*torchrun --nproc-per-node 2"):
-        capture(tmp_path / "data", tiny_target("llama"), tmp_path / "cap",
-                CaptureSettings(device="cpu", tensor_parallel_size=2))
+        capture(
+            tmp_path / "data",
+            tiny_target("llama"),
+            tmp_path / "cap",
+            CaptureSettings(device="cpu", tensor_parallel_size=2),
+        )
     assert not (tmp_path / "cap").exists()
 
 
@@ -103,13 +131,18 @@ def test_torchrun_without_tp_is_refused(monkeypatch, tiny_target, tmp_path):
     with pytest.raises(NestlingError, match=r"--tensor-parallel-size 2"):
         capture(tmp_path / "data", tiny_target("llama"), tmp_path / "cap", CaptureSettings(device="cpu"))
     with pytest.raises(NestlingError, match=r"vllm backend starts its own workers"):
-        capture(tmp_path / "data", tiny_target("llama"), tmp_path / "cap", CaptureSettings(backend="vllm", device="cpu"))
+        capture(
+            tmp_path / "data", tiny_target("llama"), tmp_path / "cap", CaptureSettings(backend="vllm", device="cpu")
+        )
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(device_map="auto"), "exclude each other"),
-    (dict(device="cuda:1"), "cuda:LOCAL_RANK"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(device_map="auto"), "exclude each other"),
+        (dict(device="cuda:1"), "cuda:LOCAL_RANK"),
+    ],
+)
 def test_tp_settings_refused(monkeypatch, kw, match):
     monkeypatch.setenv("WORLD_SIZE", "2")
     s = CaptureSettings(tensor_parallel_size=2, **kw)
@@ -126,7 +159,9 @@ def test_tp_target_checks(tiny_target, llama_kv2):
         tp.check_target(load_config(llama_kv2), 4)
     cfg = load_config(llama_kv2)
     cfg.quantization_config = {"quant_method": "compressed-tensors", "format": "pack-quantized"}  # Kimi-K2.5's kind
-    with pytest.raises(NestlingError, match=r"cannot load a compressed-tensors checkpoint tensor-parallel.*--device-map"):
+    with pytest.raises(
+        NestlingError, match=r"cannot load a compressed-tensors checkpoint tensor-parallel.*--device-map"
+    ):
         tp.check_target(cfg, 2)
     cfg = load_config(llama_kv2)
     cfg.base_model_tp_plan = {}

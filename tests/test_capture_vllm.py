@@ -39,13 +39,38 @@ def _env() -> dict:
 
 
 def _cli(data: Path, target: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "nestling", "capture", str(data), *extra, "--target", str(target), "--out", str(out),
-            "--backend", "vllm", "--device", "cpu", "--dtype", "float32", "--layers", LAYERS]
+    return [
+        sys.executable,
+        "-m",
+        "nestling",
+        "capture",
+        str(data),
+        *extra,
+        "--target",
+        str(target),
+        "--out",
+        str(out),
+        "--backend",
+        "vllm",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--layers",
+        LAYERS,
+    ]
 
 
 def _data(tmp_path: Path, target: Path, n_train: int, n_heldout: int, **kw) -> Path:
-    return make_data_dir(tmp_path / "data", AutoTokenizer.from_pretrained(target), target,
-                         n_train=n_train, n_heldout=n_heldout, seed=3, **kw)
+    return make_data_dir(
+        tmp_path / "data",
+        AutoTokenizer.from_pretrained(target),
+        target,
+        n_train=n_train,
+        n_heldout=n_heldout,
+        seed=3,
+        **kw,
+    )
 
 
 @pytest.mark.vllm
@@ -54,12 +79,24 @@ def test_vllm_shards_equal_hf_shards(tiny_target, tmp_path):
     data = _data(tmp_path, target, n_train=10, n_heldout=3, min_words=1, max_words=60)
     # small shards and budget: several shards per split, several engine batches per shard
     opts = ("token_budget=256", "shard_size=200KB", "progress_interval=60")
-    r = subprocess.run(_cli(data, target, tmp_path / "vllm", *opts), env=_env(), capture_output=True, text=True,
-                       timeout=900)
+    r = subprocess.run(
+        _cli(data, target, tmp_path / "vllm", *opts), env=_env(), capture_output=True, text=True, timeout=900
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    hf = capture(data, target, tmp_path / "hf", CaptureSettings(
-        backend="hf", device="cpu", dtype="float32", layers=[int(x) for x in LAYERS.split(",")],
-        token_budget=256, shard_size="200KB", progress_interval=60))
+    hf = capture(
+        data,
+        target,
+        tmp_path / "hf",
+        CaptureSettings(
+            backend="hf",
+            device="cpu",
+            dtype="float32",
+            layers=[int(x) for x in LAYERS.split(",")],
+            token_budget=256,
+            shard_size="200KB",
+            progress_interval=60,
+        ),
+    )
     vm = json.loads((tmp_path / "vllm" / "manifest.json").read_text())
     assert vm["final_state"] == "post_norm" and "final norm" in vm["final_state_source"]
     assert vm["layer_ids"] == hf["layer_ids"] == [0, 2, 5, 6]
@@ -87,12 +124,27 @@ def test_vllm_float8_store_reads_back_within_fp8_of_hf(tiny_target, tmp_path):
     the runner; what reads back is within fp8's bound of the hf backend's fp32 store."""
     target = tiny_target("llama")
     data = _data(tmp_path, target, n_train=4, n_heldout=1, min_words=5, max_words=30)
-    r = subprocess.run(_cli(data, target, tmp_path / "vllm", "dtype=float8", "token_budget=256", "progress_interval=60"),
-                       env=_env(), capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        _cli(data, target, tmp_path / "vllm", "dtype=float8", "token_budget=256", "progress_interval=60"),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    capture(data, target, tmp_path / "hf", CaptureSettings(
-        backend="hf", device="cpu", dtype="float32", layers=[int(x) for x in LAYERS.split(",")], token_budget=256,
-        progress_interval=60))
+    capture(
+        data,
+        target,
+        tmp_path / "hf",
+        CaptureSettings(
+            backend="hf",
+            device="cpu",
+            dtype="float32",
+            layers=[int(x) for x in LAYERS.split(",")],
+            token_budget=256,
+            progress_interval=60,
+        ),
+    )
     m = json.loads((tmp_path / "vllm" / "manifest.json").read_text())
     assert m["dtype"] == "float8" and m["compute_dtype"] == "float32"
     assert verify(tmp_path / "vllm") == []
@@ -114,8 +166,9 @@ def test_kill_during_vllm_capture_then_resume(tiny_target, tmp_path):
     # ~one sample per shard: many shards, so the kill lands with some complete and one in flight
     opts = ("token_budget=256", "shard_size=40KB", "progress_interval=60")
     log = open(tmp_path / "first.log", "w")
-    p = subprocess.Popen(_cli(data, target, out, *opts), env=_env(), stdout=log, stderr=subprocess.STDOUT,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        _cli(data, target, out, *opts), env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     first = out / "train" / "shard-00000.safetensors"
     deadline = time.time() + 900
     while not first.exists() and p.poll() is None and time.time() < deadline:
@@ -146,18 +199,24 @@ def test_kill_during_vllm_capture_then_resume(tiny_target, tmp_path):
 def test_refuses_mla_target(tiny_target, tmp_path):
     target = tiny_target("deepseek_v3")
     data = _data(tmp_path, target, n_train=2, n_heldout=0)
-    with pytest.raises(NestlingError, match=r"MLA.*do not match transformers'.*residual is None.*#53074.*"
-                                            r"--backend hf.*--tensor-parallel-size N"):
+    with pytest.raises(
+        NestlingError,
+        match=r"MLA.*do not match transformers'.*residual is None.*#53074.*"
+        r"--backend hf.*--tensor-parallel-size N",
+    ):
         capture(data, target, tmp_path / "cap", CaptureSettings(backend="vllm", device="cpu", progress_interval=60))
     assert not (tmp_path / "cap" / "manifest.json").exists()
 
 
-@pytest.mark.parametrize("config", [
-    {"model_type": "kimi_k25", "text_config": {"model_type": "kimi_k2", "kv_lora_rank": 512}},  # Kimi-K2.5's shape
-    {"model_type": "deepseek_v3", "kv_lora_rank": 512},
-    {"model_type": "deepseek_v4"},
-    {"model_type": "some_new_mla", "kv_lora_rank": 64},  # MLA by its config, whatever its name
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"model_type": "kimi_k25", "text_config": {"model_type": "kimi_k2", "kv_lora_rank": 512}},  # Kimi-K2.5's shape
+        {"model_type": "deepseek_v3", "kv_lora_rank": 512},
+        {"model_type": "deepseek_v4"},
+        {"model_type": "some_new_mla", "kv_lora_rank": 64},  # MLA by its config, whatever its name
+    ],
+)
 def test_mla_refusal_names_the_cause(config):
     """Re-examined against vLLM 0.32 (docs/capture-vllm.md): the refusal says why, with the upstream issue,
     and points to the hf backend with tensor parallelism."""
@@ -180,8 +239,19 @@ def test_refuses_mla_target_cli_without_traceback(tiny_target, tmp_path):
     assert "MLA" in r.stderr and "--tensor-parallel-size" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("version,ok", [("0.32.0", True), ("0.32.4", True), ("0.31.9", False), ("0.33.0", False),
-                                        ("1.0.0", False), ("0.32.0+cpu", True), ("0.32.0rc1", False), ("0.10.1", False)])
+@pytest.mark.parametrize(
+    "version,ok",
+    [
+        ("0.32.0", True),
+        ("0.32.4", True),
+        ("0.31.9", False),
+        ("0.33.0", False),
+        ("1.0.0", False),
+        ("0.32.0+cpu", True),
+        ("0.32.0rc1", False),
+        ("0.10.1", False),
+    ],
+)
 def test_vllm_version_range(version, ok):
     if ok:
         check_vllm_version(version)

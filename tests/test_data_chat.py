@@ -74,6 +74,7 @@ def qwen2():
 
 # --- the tokenizers' own templates ------------------------------------------------------------
 
+
 def test_smollm2_chatml_default_system_prompt(smol):
     enc = encode_one(smol, CHAT)
     text = smol.decode(enc.input_ids)
@@ -146,7 +147,10 @@ def test_deepseek_v3_template():
     tok = gguf_tokenizer("qwen2", DEEPSEEK_SPECIAL)
     tok.bos_token = "<｜begin▁of▁sentence｜>"
     enc = encode_one(tok, SYSTEM + CHAT, DEEPSEEK_V3)
-    assert supervised(tok, enc) == ["The capital of France is Paris.<｜end▁of▁sentence｜>", "Rome.<｜end▁of▁sentence｜>"]
+    assert supervised(tok, enc) == [
+        "The capital of France is Paris.<｜end▁of▁sentence｜>",
+        "Rome.<｜end▁of▁sentence｜>",
+    ]
     assert "You answer in one short sentence." in tok.decode(enc.input_ids)
 
 
@@ -229,8 +233,12 @@ def test_qwen3_style_reasoning_single_turn_is_supervised(qwen2):
 
 
 def test_qwen3_style_stripped_earlier_reasoning_falls_back_to_last_turn(qwen2):
-    msgs = [CHAT[0], {"role": "assistant", "content": "Paris.", "reasoning_content": "Easy: Paris."},
-            CHAT[2], {"role": "assistant", "content": "Rome.", "reasoning_content": "Italy: Rome."}]
+    msgs = [
+        CHAT[0],
+        {"role": "assistant", "content": "Paris.", "reasoning_content": "Easy: Paris."},
+        CHAT[2],
+        {"role": "assistant", "content": "Rome.", "reasoning_content": "Italy: Rome."},
+    ]
     enc = encode_one(qwen2, msgs, QWEN3)
     # turn 1's rendering loses its reasoning once turn 2 exists: the prefix property fails for it,
     # so only the last turn (rendered exactly as at inference) is supervised, and that is counted.

@@ -31,15 +31,27 @@ def run(tmp_path, rows, smollm2_dir, **kw) -> dict:
 
 
 def test_malformed_records_are_counted_with_examples(tmp_path, smollm2_dir):
-    rows = [GOOD, "{not json", conv(), conv(("human", "hi"), ("narrator", "once upon")),
-            conv(("gpt", "leading"), ("human", "q"), ("gpt", "a")), conv(("human", "only a question")),
-            {"text": "no conversation"}, conv(("human", "q"), ("gpt", ""), ("human", "q2"), ("gpt", "a2")),
-            conv(("human", "a"), ("human", "b"), ("gpt", "c"), ("gpt", "d"))]
+    rows = [
+        GOOD,
+        "{not json",
+        conv(),
+        conv(("human", "hi"), ("narrator", "once upon")),
+        conv(("gpt", "leading"), ("human", "q"), ("gpt", "a")),
+        conv(("human", "only a question")),
+        {"text": "no conversation"},
+        conv(("human", "q"), ("gpt", ""), ("human", "q2"), ("gpt", "a2")),
+        conv(("human", "a"), ("human", "b"), ("gpt", "c"), ("gpt", "d")),
+    ]
     m = run(tmp_path, rows, smollm2_dir)
     c = m["counts"]
     assert c["read"] == 9 and c["kept"] == 3
-    assert c["dropped"] == {"malformed_json": 1, "empty_conversation": 1, "unknown_role": 1,
-                            "no_assistant_turn": 2, "malformed_record": 1}
+    assert c["dropped"] == {
+        "malformed_json": 1,
+        "empty_conversation": 1,
+        "unknown_role": 1,
+        "no_assistant_turn": 2,
+        "malformed_record": 1,
+    }
     assert c["read"] == c["kept"] + sum(c["dropped"].values())
     assert c["altered"]["leading_assistant_dropped"] == 1
     assert c["altered"]["merged_consecutive_turns"] == 1
@@ -47,8 +59,12 @@ def test_malformed_records_are_counted_with_examples(tmp_path, smollm2_dir):
     assert "in.jsonl:2: malformed JSON" in m["examples"]["malformed_json"][0]
     assert "'narrator'" in m["examples"]["unknown_role"][0]
     # a role can be mapped instead of dropped
-    m = prepare_data([tmp_path / "in.jsonl"], smollm2_dir, tmp_path / "out2",
-                     DataSettings(workers=1, role_map={"narrator": "assistant"}))
+    m = prepare_data(
+        [tmp_path / "in.jsonl"],
+        smollm2_dir,
+        tmp_path / "out2",
+        DataSettings(workers=1, role_map={"narrator": "assistant"}),
+    )
     assert "unknown_role" not in m["counts"]["dropped"]
 
 
@@ -101,14 +117,25 @@ def test_messages_jsonl_and_parquet_inputs(tmp_path, smollm2_dir):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    msgs = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                         {"role": "assistant", "content": [{"type": "text", "text": "Hello."}]}]}
+    msgs = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": [{"type": "text", "text": "Hello."}]},
+        ]
+    }
     write_jsonl(tmp_path / "m.jsonl", [msgs])
     pq.write_table(pa.Table.from_pylist([GOOD]), tmp_path / "c.parquet")
-    pq.write_table(pa.Table.from_pylist([{"messages": msgs["messages"][1:2] + [{"role": "assistant", "content": "Yo."}]}]),
-                   tmp_path / "m.parquet")
-    m = prepare_data([tmp_path / "m.jsonl", tmp_path / "c.parquet", tmp_path / "m.parquet"], smollm2_dir,
-                     tmp_path / "out", DataSettings(workers=1, system_prompt="Override."))
+    pq.write_table(
+        pa.Table.from_pylist([{"messages": msgs["messages"][1:2] + [{"role": "assistant", "content": "Yo."}]}]),
+        tmp_path / "m.parquet",
+    )
+    m = prepare_data(
+        [tmp_path / "m.jsonl", tmp_path / "c.parquet", tmp_path / "m.parquet"],
+        smollm2_dir,
+        tmp_path / "out",
+        DataSettings(workers=1, system_prompt="Override."),
+    )
     assert m["counts"]["kept"] == 3
     from transformers import AutoTokenizer
 
@@ -131,18 +158,24 @@ def test_output_loads_with_datasets_and_split_is_deterministic(tmp_path, smollm2
     assert m["target"] == str(Path(smollm2_dir).resolve()) and m["stage"] == "data"
     out = tmp_path / "out"
     assert len(m["splits"]["train"]["files"]) >= 2
-    ds = datasets.load_dataset("parquet", data_files={s: [str(out / f) for f in m["splits"][s]["files"]]
-                                                      for s in ("train", "heldout")})
+    ds = datasets.load_dataset(
+        "parquet", data_files={s: [str(out / f) for f in m["splits"][s]["files"]] for s in ("train", "heldout")}
+    )
     assert set(ds["train"].column_names) == {"input_ids", "loss_mask", "sample_id", "source_index"}
     assert len(ds["train"]) + len(ds["heldout"]) == 60 and 5 <= len(ds["heldout"]) <= 25
     assert sum(map(sum, ds["train"]["loss_mask"])) == m["splits"]["train"]["supervised_tokens"]
     heldout = sorted(ds["heldout"]["sample_id"])
-    m2 = prepare_data([tmp_path / "in.jsonl"], smollm2_dir, tmp_path / "again",
-                      DataSettings(held_out=0.25, seed=3, workers=2))  # other workers, same split
-    ds2 = datasets.load_dataset("parquet", data_files=[str(tmp_path / "again" / f) for f in m2["splits"]["heldout"]["files"]])
+    m2 = prepare_data(
+        [tmp_path / "in.jsonl"], smollm2_dir, tmp_path / "again", DataSettings(held_out=0.25, seed=3, workers=2)
+    )  # other workers, same split
+    ds2 = datasets.load_dataset(
+        "parquet", data_files=[str(tmp_path / "again" / f) for f in m2["splits"]["heldout"]["files"]]
+    )
     assert sorted(ds2["train"]["sample_id"]) == heldout
     assert m2["fingerprint"] == m["fingerprint"]
-    m3 = prepare_data([tmp_path / "in.jsonl"], smollm2_dir, tmp_path / "seed4", DataSettings(held_out=0.25, seed=4, workers=1))
+    m3 = prepare_data(
+        [tmp_path / "in.jsonl"], smollm2_dir, tmp_path / "seed4", DataSettings(held_out=0.25, seed=4, workers=1)
+    )
     assert m3["fingerprint"] != m["fingerprint"]
 
 
@@ -158,8 +191,11 @@ def test_rerun_is_a_noop_and_incomplete_folder_is_redone(tmp_path, smollm2_dir, 
     run(tmp_path, [GOOD] * 3, smollm2_dir)
     assert "incomplete" in capsys.readouterr().err
     # the stale shard went: this is a data folder (its marker says so), whose shards are all nestling's
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".nestling-stage.json", "manifest.json",
-                                                                    "train-00000.parquet"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        ".nestling-stage.json",
+        "manifest.json",
+        "train-00000.parquet",
+    ]
 
 
 def test_cli_help_prepare_inspect_and_errors(tmp_path, smollm2_dir, sharegpt_path, capsys):
@@ -172,8 +208,24 @@ def test_cli_help_prepare_inspect_and_errors(tmp_path, smollm2_dir, sharegpt_pat
     for opt in ("--target", "--out", "--max-length", "--held-out", "--chat-template", "--last-turn-only", "inspect"):
         assert opt in help_text
     out = tmp_path / "sg"
-    assert main(["data", str(sharegpt_path), "--target", str(smollm2_dir), "--out", str(out), "--limit", "40",
-                 "--held-out", "0.1", "workers=1"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                str(sharegpt_path),
+                "--target",
+                str(smollm2_dir),
+                "--out",
+                str(out),
+                "--limit",
+                "40",
+                "--held-out",
+                "0.1",
+                "workers=1",
+            ]
+        )
+        == 0
+    )
     printed = json.loads(capsys.readouterr().out)
     assert printed["counts"]["read"] == 40
     assert main(["data", "inspect", str(out), "--index", "1", "--no-color"]) == 0
@@ -183,7 +235,12 @@ def test_cli_help_prepare_inspect_and_errors(tmp_path, smollm2_dir, sharegpt_pat
     assert "\x1b[30;42m" in capsys.readouterr().out
     assert main(["data", "inspect", str(out), "--index", "999"]) == 1
     assert "--index must be in" in capsys.readouterr().err
-    assert main(["data", str(tmp_path / "missing.jsonl"), "--target", str(smollm2_dir), "--out", str(tmp_path / "x")]) == 1
+    assert (
+        main(["data", str(tmp_path / "missing.jsonl"), "--target", str(smollm2_dir), "--out", str(tmp_path / "x")]) == 1
+    )
     assert "missing.jsonl does not exist" in capsys.readouterr().err
-    assert main(["data", str(sharegpt_path), "--target", str(smollm2_dir), "--out", str(tmp_path / "x"), "max_lenght=3"]) == 1
+    assert (
+        main(["data", str(sharegpt_path), "--target", str(smollm2_dir), "--out", str(tmp_path / "x"), "max_lenght=3"])
+        == 1
+    )
     assert "unknown setting 'max_lenght'" in capsys.readouterr().err

@@ -10,9 +10,16 @@ from nestling.data.dataset import load_samples
 from nestling.data.run import prepare_data
 from nestling.data.settings import DataSettings
 
-THREE = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello! How can I help?"},
-                           {"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4."},
-                           {"from": "human", "value": "And 3+3?"}, {"from": "gpt", "value": "6, of course."}]}
+THREE = {
+    "conversations": [
+        {"from": "human", "value": "Hi"},
+        {"from": "gpt", "value": "Hello! How can I help?"},
+        {"from": "human", "value": "2+2?"},
+        {"from": "gpt", "value": "4."},
+        {"from": "human", "value": "And 3+3?"},
+        {"from": "gpt", "value": "6, of course."},
+    ]
+}
 REPLIES = ["Hello! How can I help?<|im_end|>", "4.<|im_end|>", "6, of course.<|im_end|>"]
 
 
@@ -46,7 +53,7 @@ def test_three_turns_give_three_prefix_rows_each_supervising_its_turn(tmp_path, 
     assert _supervised(tok, conv) == REPLIES
     for k, r in enumerate(rows):
         assert _supervised(tok, r) == [REPLIES[k]]  # that turn only, with its end-of-turn token
-        assert r.input_ids == conv.input_ids[:len(r.input_ids)]  # the conversation through the turn
+        assert r.input_ids == conv.input_ids[: len(r.input_ids)]  # the conversation through the turn
         assert r.loss_mask[-1] == 1 and tok.decode(r.input_ids[-1:]) == "<|im_end|>"  # nothing after it
         assert r.source_index == conv.source_index
     assert rows[-1].input_ids == conv.input_ids[:-1]  # the last row: all but the newline after <|im_end|>
@@ -60,8 +67,14 @@ def test_three_turns_give_three_prefix_rows_each_supervising_its_turn(tmp_path, 
 
 
 def test_turn_rows_past_max_length_are_left_out_and_counted(tmp_path, smollm2_dir):
-    long = {"conversations": [{"from": "human", "value": "Tell me a story."}, {"from": "gpt", "value": "Hi. " * 40},
-                              {"from": "human", "value": "Thanks!"}, {"from": "gpt", "value": "You're welcome."}]}
+    long = {
+        "conversations": [
+            {"from": "human", "value": "Tell me a story."},
+            {"from": "gpt", "value": "Hi. " * 40},
+            {"from": "human", "value": "Thanks!"},
+            {"from": "gpt", "value": "You're welcome."},
+        ]
+    }
     # row 0 is ~80 tokens: truncated to 64, it keeps part of its reply; row 1's prompt alone exceeds 64
     m, out = _prepare(tmp_path, "t", [long, THREE], smollm2_dir, rows="turn", max_length=64)
     c = m["counts"]
@@ -76,15 +89,24 @@ def test_turn_rows_past_max_length_are_left_out_and_counted(tmp_path, smollm2_di
 
 
 def test_rows_of_a_conversation_share_its_split_and_workers_change_nothing(tmp_path, smollm2_dir):
-    many = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"},
-                               {"from": "human", "value": f"r{i}"}, {"from": "gpt", "value": f"b{i}"}]}
-            for i in range(40)]
+    many = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"q{i}"},
+                {"from": "gpt", "value": f"a{i}"},
+                {"from": "human", "value": f"r{i}"},
+                {"from": "gpt", "value": f"b{i}"},
+            ]
+        }
+        for i in range(40)
+    ]
     m1, one = _prepare(tmp_path, "one", many, smollm2_dir, rows="turn", held_out=0.3)
     m2, two = _prepare(tmp_path, "two", many, smollm2_dir, rows="turn", held_out=0.3, workers=2)  # head start
     assert m1["fingerprint"] == m2["fingerprint"] and m1["splits"] == m2["splits"] and m1["counts"] == m2["counts"]
     for split in ("train", "heldout"):
-        assert [(s.sample_id, s.input_ids, s.loss_mask) for s in load_samples(one, split)] == \
-               [(s.sample_id, s.input_ids, s.loss_mask) for s in load_samples(two, split)]
+        assert [(s.sample_id, s.input_ids, s.loss_mask) for s in load_samples(one, split)] == [
+            (s.sample_id, s.input_ids, s.loss_mask) for s in load_samples(two, split)
+        ]
     ids = {split: {s.sample_id.split("#")[0] for s in load_samples(one, split)} for split in ("train", "heldout")}
     assert ids["heldout"] and not ids["train"] & ids["heldout"]
     assert m1["counts"]["rows"] == 80 and m1["splits"]["heldout"]["samples"] == 2 * len(ids["heldout"])
@@ -101,5 +123,7 @@ def test_turn_ranges_from_generation_tags_and_prefix_diff_agree(smollm2_dir):
     tagged = encode_conversations(chat_format(tok, CHATML_GENERATION), [SYSTEM + CHAT])[0]
     diffed = encode_conversations(chat_format(tok), [SYSTEM + CHAT])[0]
     assert tagged.input_ids == diffed.input_ids and tagged.turns == diffed.turns and len(tagged.turns) == 2
-    assert [tok.decode(tagged.input_ids[a:b + 1]) for a, b in tagged.turns] == \
-           ["The capital of France is Paris.<|im_end|>", "Rome.<|im_end|>"]
+    assert [tok.decode(tagged.input_ids[a : b + 1]) for a, b in tagged.turns] == [
+        "The capital of France is Paris.<|im_end|>",
+        "Rome.<|im_end|>",
+    ]

@@ -46,7 +46,9 @@ def assert_same_output(a, b, ma: dict, mb: dict) -> None:
 def test_head_start_output_equals_one_process(tmp_path, smollm2_dir, sharegpt_path, capsys):
     from transformers import AutoTokenizer
 
-    assert format_key(chat_format(FileTokenizer(smollm2_dir))) == format_key(chat_format(AutoTokenizer.from_pretrained(smollm2_dir)))
+    assert format_key(chat_format(FileTokenizer(smollm2_dir))) == format_key(
+        chat_format(AutoTokenizer.from_pretrained(smollm2_dir))
+    )
     kw = dict(limit=N, held_out=0.1, max_length=512)
     one = prepare_data([sharegpt_path], smollm2_dir, tmp_path / "one", DataSettings(workers=1, **kw))
     capsys.readouterr()
@@ -94,8 +96,13 @@ print(json.dumps({"torch": "torch" in sys.modules, "autotokenizer": "transformer
 
 def _run_data(source, target, out, cache) -> tuple[dict, dict, str]:
     env = {**os.environ, "NESTLING_CACHE": str(cache)}
-    res = subprocess.run([sys.executable, "-c", RUN, str(source), str(target), str(out), str(N)], env=env,
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-c", RUN, str(source), str(target), str(out), str(N)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1]), json.loads((out / "manifest.json").read_text()), res.stderr
 
@@ -120,7 +127,9 @@ def test_verified_tokenizer_match_is_remembered(tmp_path, smollm2_dir, sharegpt_
 
 
 @pytest.mark.slow
-def test_a_damaged_or_unusable_match_record_only_costs_the_speed_up(tmp_path, smollm2_dir, sharegpt_path, monkeypatch, capsys):
+def test_a_damaged_or_unusable_match_record_only_costs_the_speed_up(
+    tmp_path, smollm2_dir, sharegpt_path, monkeypatch, capsys
+):
     """A corrupt record, a record for another tokenizer guess, or a cache that cannot be written:
     the run verifies with AutoTokenizer as if there were no record, and the output is unchanged."""
     from nestling.data.headstart import match_record

@@ -10,8 +10,17 @@ from nestling.draft.vocab import build_vocab, count_tokens, draft_ids_to_target,
 
 
 def _cfg(**kw) -> DraftConfig:
-    base = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                vocab_size=100, draft_vocab_size=20, aux_layer_ids=[1, 2, 3], num_target_layers=5)
+    base = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=100,
+        draft_vocab_size=20,
+        aux_layer_ids=[1, 2, 3],
+        num_target_layers=5,
+    )
     return DraftConfig(**{**base, **kw})
 
 
@@ -45,7 +54,10 @@ def test_norm_options_add_vllm_names_and_stay_out_of_the_key_when_off():
     add no weight. Options that are off are not in the run's key (older runs keep theirs)."""
     plain, on = _cfg(), _cfg(fc_norm=True, norm_output=True, norm_before_residual=True)
     assert set(Eagle3Draft(on).export_state_dict()) - set(Eagle3Draft(plain).export_state_dict()) == {
-        "fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"}
+        "fc_norm.0.weight",
+        "fc_norm.1.weight",
+        "fc_norm.2.weight",
+    }
     assert Eagle3Draft(on).export_state_dict()["fc_norm.1.weight"].shape == (64,)
     assert not set(NORM_OPTIONS) & set(plain.key_fields())
     assert all(on.key_fields()[k] is True for k in NORM_OPTIONS)
@@ -76,7 +88,7 @@ def test_step_with_cache_equals_full_causal_pass(layers):
     full = m.step(ids, hid, pos, KVCache())
     cache = KVCache()
     first = m.step(ids[:, :4], hid[:, :4], pos[:, :4], cache)
-    rest = [m.step(ids[:, t:t + 1], hid[:, t:t + 1], pos[:, t:t + 1], cache) for t in (4, 5)]
+    rest = [m.step(ids[:, t : t + 1], hid[:, t : t + 1], pos[:, t : t + 1], cache) for t in (4, 5)]
     torch.testing.assert_close(torch.cat([first, *rest], 1), full, atol=1e-5, rtol=1e-5)
 
 

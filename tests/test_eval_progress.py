@@ -12,8 +12,10 @@ from nestling.evaluate.vllm_worker import PROGRESS, line_progress
 
 
 def test_progress_lines_are_forwarded_and_the_rest_kept_for_errors(capsys):
-    script = (f"print('{PROGRESS} 1/2 prompts', flush=True); print('engine noise', flush=True); "
-              f"print('{PROGRESS} 2/2 prompts', flush=True); raise SystemExit(3)")
+    script = (
+        f"print('{PROGRESS} 1/2 prompts', flush=True); print('engine noise', flush=True); "
+        f"print('{PROGRESS} 2/2 prompts', flush=True); raise SystemExit(3)"
+    )
     rc, other = run_forwarding([sys.executable, "-c", script], dict(os.environ), timeout=60)
     err = capsys.readouterr().err
     assert rc == 3

@@ -61,8 +61,12 @@ def test_greedy_equals_target(model, draft_dir):
 def test_greedy_with_perfect_draft_accepts_everything(model, tiny, tmp_path):
     """A draft that 'predicts' by running the target (a cheat) must be accepted at every position:
     checks the bookkeeping of positions and caches against acceptance, not only output equality."""
-    draft = load_draft(export(make_train_dir(new_draft(tiny, AUX, 64), tmp_path / "t"), tmp_path / "d",
-                              ExportSettings(dtype="float32")), model)
+    draft = load_draft(
+        export(
+            make_train_dir(new_draft(tiny, AUX, 64), tmp_path / "t"), tmp_path / "d", ExportSettings(dtype="float32")
+        ),
+        model,
+    )
     dec = SpecDecoder(model, draft, k=3)
     prompt = [5, 6, 7, 8]
     ref, _ = target_generate(model, prompt, 24 + 3)  # the last draft reaches past the budget (as vLLM's)
@@ -78,11 +82,13 @@ def test_greedy_with_perfect_draft_accepts_everything(model, tiny, tmp_path):
         return orig_step(ids, hidden, pos, cache)
 
     draft.step = step
+
     def fake_logits(h):
         nxt = positions[-1] + 2  # the draft at position t predicts the token at t + 2
         out = torch.full((1, 1, len(dec.draft_targets)), -1e9)
         out[0, 0, nxt] = 0
         return out
+
     draft.logits = fake_logits
     out, st = dec.generate(prompt, 24)
     assert out == ref[:24]
@@ -107,8 +113,9 @@ def test_rejection_sampling_is_exact():
 
 
 @torch.no_grad()
-def _target_sequence_probs(model, prompt: list[int], n_new: int, temperature: float,
-                           floor: float) -> dict[tuple[int, ...], float]:
+def _target_sequence_probs(
+    model, prompt: list[int], n_new: int, temperature: float, floor: float
+) -> dict[tuple[int, ...], float]:
     """The exact probability of every `n_new`-token continuation the target alone samples at
     `temperature` with probability >= `floor` (a prefix is at least as likely as its continuations,
     so pruning prefixes below `floor` loses none of them)."""
@@ -117,8 +124,11 @@ def _target_sequence_probs(model, prompt: list[int], n_new: int, temperature: fl
         keys = list(seqs)
         batch = torch.tensor([prompt + list(k) for k in keys])  # equal lengths: one batched forward
         probs = torch.softmax(model(batch, logits_to_keep=1).logits[:, -1].float() / temperature, dim=-1)
-        seqs = {k + (t,): seqs[k] * float(pr[t])
-                for k, pr in zip(keys, probs) for t in (pr * seqs[k] >= floor).nonzero().flatten().tolist()}
+        seqs = {
+            k + (t,): seqs[k] * float(pr[t])
+            for k, pr in zip(keys, probs)
+            for t in (pr * seqs[k] >= floor).nonzero().flatten().tolist()
+        }
     return seqs
 
 
@@ -126,7 +136,7 @@ def _chi2_critical(dof: int, z: float = 3.0902) -> float:
     """Upper critical value of chi-square at p = 0.001 (z of the normal), Wilson-Hilferty (within
     ~1% of the exact value for dof >= 2; no scipy here)."""
     a = 2.0 / (9 * dof)
-    return dof * (1 - a + z * a ** 0.5) ** 3
+    return dof * (1 - a + z * a**0.5) ** 3
 
 
 def test_sampling_matches_target_distribution(model, draft_dir):

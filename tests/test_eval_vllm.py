@@ -54,8 +54,9 @@ def test_vllm_loads_draft_and_greedy_outputs_are_unchanged(run):
     model = load_model(run["target"], dtype="float32")
     for prompt, got in zip(run["prompts"], v["outputs"]):
         with torch.inference_mode():  # the target alone: transformers' greedy generate
-            ids = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW, temperature=None,
-                                 top_p=None, top_k=None)[0, len(prompt):].tolist()
+            ids = model.generate(
+                torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW, temperature=None, top_p=None, top_k=None
+            )[0, len(prompt) :].tolist()
         assert got == ids
     assert _reference(run, run["fit_dir"])["outputs"] == v["outputs"]  # and the reference decoder agrees
 

@@ -58,8 +58,14 @@ def test_sglang_loading_rules(train_dir, tmp_path):
     t = load_file(str(out / "model.safetensors"))
     hot = torch.arange(t["d2t"].numel()) + t["d2t"]  # sglang maps draft ids with d2t only
     assert hot.tolist() == list(range(1000, 1512)) and t["d2t"].dtype == torch.int64
-    sglang_needs = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "midlayer.hidden_norm.weight",
-                    "midlayer.self_attn.q_proj.weight"}
+    sglang_needs = {
+        "fc.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "midlayer.hidden_norm.weight",
+        "midlayer.self_attn.q_proj.weight",
+    }
     assert sglang_needs <= set(t)
     assert cfg["draft_vocab_size"] == t["lm_head.weight"].shape[0]
 
@@ -84,13 +90,15 @@ def test_speculators_layout(train_dir, tiny_target, tmp_path):
 # vLLM 0.32 builds `num_hidden_layers` layers and loads them as `layers.N.*` (tests/test_export_vllm.py
 # serves one); a 1-layer draft keeps `midlayer.*`.
 
+
 @pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
 def test_two_layer_folder_uses_vllm_layer_names(tiny_target, tmp_path, fmt):
     from nestling.evaluate.specdec import load_draft
     from nestling.targets.load import load_model
 
-    draft = new_draft(tiny_target("llama"), AUX, draft_vocab_size=512, vocab_tokens=torch.arange(1000, 3000),
-                      seed=3, layers=2)
+    draft = new_draft(
+        tiny_target("llama"), AUX, draft_vocab_size=512, vocab_tokens=torch.arange(1000, 3000), seed=3, layers=2
+    )
     out = export(make_train_dir(draft, tmp_path / "t"), tmp_path / "d", ExportSettings(format=fmt, dtype="float32"))
     raw, cfg, t = contract.read_draft_folder(out)
     assert (raw.get("transformer_layer_config") or raw)["num_hidden_layers"] == 2 and cfg.num_hidden_layers == 2
@@ -151,16 +159,24 @@ def test_draft_norms_are_held_to_the_config():
     assert not any(getattr(plain, k) for k in NORMS) and all(getattr(c, k) for k in NORMS)
     assert contract.draft_config_from_native({**_min_config(), "speculators_config": {}}).norm_before_residual
     with pytest.raises(NestlingError, match="fc_norm=None"):
-        contract.check_native_config({k: v for k, v in contract.native_config(c, {}, "float32").items()
-                                      if k != "fc_norm"}, c)
+        contract.check_native_config(
+            {k: v for k, v in contract.native_config(c, {}, "float32").items() if k != "fc_norm"}, c
+        )
     tensors = {k: torch.zeros(shape) for k, (shape, _) in contract.expected_tensors(plain, torch.float32).items()}
     with pytest.raises(NestlingError, match="missing fc_norm.0.weight"):
         contract.check_tensors(tensors, c, torch.float32)
 
 
 def _min_config() -> dict:
-    return dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                vocab_size=1000, draft_vocab_size=100, eagle_aux_hidden_state_layer_ids=AUX)
+    return dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        draft_vocab_size=100,
+        eagle_aux_hidden_state_layer_ids=AUX,
+    )
 
 
 def test_layer_count_is_held_to_the_weights(tiny_target):

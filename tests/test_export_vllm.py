@@ -53,19 +53,53 @@ def probe(tiny_target, tmp_path_factory):
     deep_dir = export(make_train_dir(deep, root / "train2"), root / "draft2", ExportSettings(dtype="float32"))
     normed = fit_step0(target, prompts, AUX, steps=150, new_tokens=NEW, norms=NORMS)
     normed_dir = export(make_train_dir(normed, root / "train3"), root / "draft3", ExportSettings(dtype="float32"))
-    spec = dict(target=str(target), drafts=[str(draft), str(deep_dir), str(normed_dir)], k=K, prompts=prompts, max_new_tokens=NEW,
-                temperature=0.0, dtype="float32", max_model_len=512, seed=0, baseline=True, ignore_eos=True)
+    spec = dict(
+        target=str(target),
+        drafts=[str(draft), str(deep_dir), str(normed_dir)],
+        k=K,
+        prompts=prompts,
+        max_new_tokens=NEW,
+        temperature=0.0,
+        dtype="float32",
+        max_model_len=512,
+        seed=0,
+        baseline=True,
+        ignore_eos=True,
+    )
     (root / "spec.json").write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([str(Path(nestling.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join([str(Path(nestling.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    )
     script = Path(__file__).with_name("vllm_layer_probe.py")
-    r = subprocess.run([sys.executable, str(script), str(root / "spec.json"), str(root / "result.json"),
-                        str(root / "states.safetensors")], env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            str(root / "spec.json"),
+            str(root / "result.json"),
+            str(root / "states.safetensors"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads((root / "result.json").read_text())
-    return dict(target=target, draft=draft, deep=deep_dir, normed=normed_dir, prompts=prompts, res=res,
-                states=root / "states.safetensors")
+    return dict(
+        target=target,
+        draft=draft,
+        deep=deep_dir,
+        normed=normed_dir,
+        prompts=prompts,
+        res=res,
+        states=root / "states.safetensors",
+    )
 
 
 def test_full_vocab_draft_loads_and_greedy_outputs_are_unchanged(probe):
@@ -113,11 +147,14 @@ def test_fitted_draft_loads_and_accepts_as_the_reference_decoder(probe, which):
     v = summarize_metrics(d["metrics"], K)
     assert d["outputs"] == base  # fp32 greedy: token-identical with and without the draft
     ref = _reference_stats(probe, lambda model: load_draft(folder, model))
-    print(f"[{which}] vLLM {v['acceptance_length']:.3f} {v['accepted_per_pos']}, "
-          f"reference {ref.acceptance_length:.3f} {ref.accepted_per_pos}")
+    print(
+        f"[{which}] vLLM {v['acceptance_length']:.3f} {v['accepted_per_pos']}, "
+        f"reference {ref.acceptance_length:.3f} {ref.accepted_per_pos}"
+    )
     assert v["acceptance_length"] > 1.3  # the fitted weights were read (a random draft accepts ~nothing)
     assert (v["num_drafts"], v["accepted_per_pos"]) == (ref.num_drafts, ref.accepted_per_pos)
     if which == "normed":  # the equality says something: ignoring the options changes the counts
+
         def plain(model):
             draft = load_draft(folder, model)
             for k in NORMS:
@@ -157,9 +194,11 @@ def test_draft_norms_compute_what_vllm_computes(probe):
             setattr(draft.config, off, False)
         with torch.no_grad():
             h = draft.step(v["ids"][None], v["hidden_in"][None], v["positions"][None], KVCache())[0]
-            return {"fc_norm": _rel(draft.combine(v["combine_in"]), v["combine_out"]),
-                    "norm_before_residual": _rel(draft.norm(h), v["hidden_out"]),
-                    "norm_output": _rel(draft.next_hidden(h), v["aux_out"])}
+            return {
+                "fc_norm": _rel(draft.combine(v["combine_in"]), v["combine_out"]),
+                "norm_before_residual": _rel(draft.norm(h), v["hidden_out"]),
+                "norm_output": _rel(draft.next_hidden(h), v["aux_out"]),
+            }
 
     errs = nestling()
     print(f"[normed] relative error against vLLM: {errs}")

@@ -11,8 +11,13 @@ from nestling.config import from_dict, load_settings, parse_overrides
 from nestling.errors import NestlingError
 from nestling.manifest import atomic_write_json, read_manifest, write_manifest
 from nestling.progress import Progress
-from nestling.targets.layers import (default_aux_layers, default_capture_layers, sglang_layer_ids, validate_layer_ids,
-                                     vllm_layer_ids)
+from nestling.targets.layers import (
+    default_aux_layers,
+    default_capture_layers,
+    sglang_layer_ids,
+    validate_layer_ids,
+    vllm_layer_ids,
+)
 
 
 @dataclass
@@ -155,8 +160,10 @@ def test_a_cache_entry_is_built_once_when_two_processes_ask_at_once(tmp_path):
     import sys
 
     entry, log = tmp_path / "cache" / "model", tmp_path / "builds.log"
-    procs = [subprocess.Popen([sys.executable, "-c", BUILD, str(entry), str(log)], stdout=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", BUILD, str(entry), str(log)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=120)[0].strip() for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert outs == [str(entry)] * 2 and (entry / "config.json").exists()

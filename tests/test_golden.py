@@ -34,8 +34,17 @@ REGEN = os.environ.get("NESTLING_REGEN_GOLDEN") == "1"
 RTOL = 1e-5
 
 # K = 3, packed microbatches of 48 tokens (several samples per row, some cut), a 100-token draft vocab
-RUN = dict(ttt_steps=3, batch_tokens=48, draft_vocab_size=100, lr=3e-3, log_every=1, eval_every=10,
-           eval_batches=2, checkpoint_every=1000, progress_interval=100.0)
+RUN = dict(
+    ttt_steps=3,
+    batch_tokens=48,
+    draft_vocab_size=100,
+    lr=3e-3,
+    log_every=1,
+    eval_every=10,
+    eval_batches=2,
+    checkpoint_every=1000,
+    progress_interval=100.0,
+)
 STEPS = 30
 TRAIN_KEYS = ("loss", "loss_0", "loss_1", "loss_2", "acc_0", "acc_1", "acc_2", "grad_norm", "lr")
 HELDOUT_KEYS = ("loss", "loss_0", "loss_1", "loss_2", "acc_0", "acc_1", "acc_2", "sim_accept_len")
@@ -51,9 +60,10 @@ def check_golden(name: str, got: dict) -> None:
     assert path.exists(), f"{path} is missing: NESTLING_REGEN_GOLDEN=1 pytest tests/test_golden.py writes it"
     want = json.loads(path.read_text())
     diffs = _diff(want, got, name)
-    assert not diffs, (f"{len(diffs)} golden values of {name} moved (first 10 below). If the change is "
-                       "deliberate, regenerate: NESTLING_REGEN_GOLDEN=1 pytest tests/test_golden.py\n"
-                       + "\n".join(diffs[:10]))
+    assert not diffs, (
+        f"{len(diffs)} golden values of {name} moved (first 10 below). If the change is "
+        "deliberate, regenerate: NESTLING_REGEN_GOLDEN=1 pytest tests/test_golden.py\n" + "\n".join(diffs[:10])
+    )
 
 
 def _diff(want, got, where: str) -> list[str]:
@@ -75,8 +85,10 @@ def metrics(out: Path) -> dict:
     """The pinned part of metrics.jsonl: every train and held-out line."""
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     pick = {"train": TRAIN_KEYS, "heldout": HELDOUT_KEYS}
-    return {split: [{"step": r["step"], **{k: r[k] for k in keys}} for r in recs if r["split"] == split]
-            for split, keys in pick.items()}
+    return {
+        split: [{"step": r["step"], **{k: r[k] for k in keys}} for r in recs if r["split"] == split]
+        for split, keys in pick.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -178,9 +190,16 @@ def _decode(train_dir: Path, data: Path, target: Path, tmp: Path) -> dict:
             seen.clear()
             with threads(1):
                 tokens, st = dec.generate(p, 20, seed=i)
-            runs.append({"tokens": tokens, "num_drafts": st.num_drafts, "num_draft_tokens": st.num_draft_tokens,
-                         "accepted_per_pos": st.accepted_per_pos, "target_forwards": st.target_forwards,
-                         "draft_logsumexp": list(seen)})
+            runs.append(
+                {
+                    "tokens": tokens,
+                    "num_drafts": st.num_drafts,
+                    "num_draft_tokens": st.num_draft_tokens,
+                    "accepted_per_pos": st.accepted_per_pos,
+                    "target_forwards": st.target_forwards,
+                    "draft_logsumexp": list(seen),
+                }
+            )
         out[name] = runs
     return out
 

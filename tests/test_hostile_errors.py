@@ -16,8 +16,15 @@ from capture_fixture import RunsAShellCommand, one_thread, tiny_llama, tiny_llam
 
 from nestling.cli import main
 
-TRAIN = ["batch_tokens=64", "draft_vocab_size=100", "ttt_steps=2", "lr=3e-3", "progress_interval=100",
-         "eval_every=0", "log_every=1"]
+TRAIN = [
+    "batch_tokens=64",
+    "draft_vocab_size=100",
+    "ttt_steps=2",
+    "lr=3e-3",
+    "progress_interval=100",
+    "eval_every=0",
+    "log_every=1",
+]
 
 
 def cli(capsys, *args) -> tuple[int, str]:
@@ -32,16 +39,19 @@ def fails_cleanly(capsys, *args) -> str:
     rc, err = cli(capsys, *args)
     assert rc == 1, err
     assert "Traceback" not in err
-    msg = err[err.index("error:"):]
+    msg = err[err.index("error:") :]
     assert len(msg.strip().splitlines()) <= 2, msg
     return msg
 
 
 def chat_line(content: str = "Hello.") -> str:
-    return json.dumps({"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": content}]}) + "\n"
+    return (
+        json.dumps({"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": content}]}) + "\n"
+    )
 
 
 # ---- inputs --------------------------------------------------------------------------------------------------
+
 
 def test_input_that_is_a_folder(tiny, tmp_path, capsys):
     (tmp_path / "in.jsonl").mkdir()
@@ -68,8 +78,10 @@ def test_a_record_nested_100k_deep_is_a_counted_skip(tiny, tmp_path, capsys, fmt
 
 # ---- settings on the command line ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("override", ["lr=!!python/object/apply:os.system ['touch {marker}']", "lr=[1, 2",
-                                      "lr={marker}: x: y"])
+
+@pytest.mark.parametrize(
+    "override", ["lr=!!python/object/apply:os.system ['touch {marker}']", "lr=[1, 2", "lr={marker}: x: y"]
+)
 def test_override_that_is_not_plain_yaml(capture, tmp_path, capsys, override):
     marker = tmp_path / "pwned"
     msg = fails_cleanly(capsys, "train", capture, "--out", tmp_path / "t", override.format(marker=marker))
@@ -80,16 +92,21 @@ def test_override_that_is_not_plain_yaml(capture, tmp_path, capsys, override):
 def test_out_under_a_regular_file(tiny, tmp_path, capsys):
     (tmp_path / "in.jsonl").write_text(chat_line())
     (tmp_path / "file").write_text("a file, not a folder")
-    msg = fails_cleanly(capsys, "data", tmp_path / "in.jsonl", "--target", tiny, "--out", tmp_path / "file" / "d",
-                        "workers=1")
+    msg = fails_cleanly(
+        capsys, "data", tmp_path / "in.jsonl", "--target", tiny, "--out", tmp_path / "file" / "d", "workers=1"
+    )
     assert str(tmp_path / "file") in msg
     assert (tmp_path / "file").read_text() == "a file, not a folder"
 
 
 # ---- targets ---------------------------------------------------------------------------------------------------
 
-def _target_copy(tiny: Path, dst: Path, keep=("config.json", "tokenizer.json", "tokenizer_config.json",
-                                                "chat_template.jinja", "model.safetensors")) -> Path:
+
+def _target_copy(
+    tiny: Path,
+    dst: Path,
+    keep=("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "model.safetensors"),
+) -> Path:
     dst.mkdir()
     for name in keep:
         shutil.copy(tiny / name, dst / name)
@@ -117,8 +134,9 @@ def test_unknown_model_type(tiny, capture, tmp_path, capsys):
 
 
 def test_pickled_weights_are_refused_before_anything_loads_them(tiny, tmp_path, capsys):
-    t = _target_copy(tiny, tmp_path / "t", keep=("config.json", "tokenizer.json", "tokenizer_config.json",
-                                                 "chat_template.jinja"))
+    t = _target_copy(
+        tiny, tmp_path / "t", keep=("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+    )
     marker = tmp_path / "pwned"
     with open(t / "pytorch_model.bin", "wb") as f:
         pickle.dump({"model.embed_tokens.weight": RunsAShellCommand(marker)}, f)
@@ -135,6 +153,7 @@ def test_pickled_weights_are_refused_before_anything_loads_them(tiny, tmp_path, 
 
 
 # ---- train ----------------------------------------------------------------------------------------------------
+
 
 def test_train_on_a_truncated_shard(capture, tmp_path, capsys):
     cap = tmp_path / "cap"
@@ -172,6 +191,7 @@ def test_disk_full_at_a_checkpoint_keeps_the_previous_one(capture, tmp_path, cap
 
 # ---- status, and --debug -----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("content", ["[]", "{}", '{"stages": "data"}', "\udcff garbage"])
 def test_status_on_a_damaged_run_json(tmp_path, capsys, content):
     (tmp_path / "run.json").write_bytes(content.encode("utf-8", "surrogateescape"))
@@ -195,22 +215,39 @@ TEMPLATE = (
     "{% if message['content'] == 'HANG' %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
     "{% endfor %}{% endif %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def test_template_with_a_huge_range_or_an_endless_loop_skips_the_record(tiny, tmp_path, capsys):
     (tmp_path / "t.jinja").write_text(TEMPLATE)
     (tmp_path / "in.jsonl").write_text(chat_line("Fine.") + chat_line("BOOM") + chat_line("HANG") + chat_line("Ok."))
-    rc, err = cli(capsys, "data", tmp_path / "in.jsonl", "--target", tiny, "--out", tmp_path / "d",
-                  "--chat-template", tmp_path / "t.jinja", "workers=1", "template_timeout=1")
+    rc, err = cli(
+        capsys,
+        "data",
+        tmp_path / "in.jsonl",
+        "--target",
+        tiny,
+        "--out",
+        tmp_path / "d",
+        "--chat-template",
+        tmp_path / "t.jinja",
+        "workers=1",
+        "template_timeout=1",
+    )
     assert rc == 0 and "Traceback" not in err
     m = json.loads((tmp_path / "d" / "manifest.json").read_text())
     assert m["counts"]["kept"] == 2 and m["counts"]["dropped"] == {"template_error": 1, "template_timeout": 1}
     assert "OverflowError" in m["examples"]["template_error"][0]
 
 
-@pytest.mark.parametrize("content, message", [(b'{"prompt": "caf\xe9"}\n', "is not UTF-8 (byte 0xe9"),
-                                              (b"[" * 100_000 + b"]" * 100_000 + b"\n", "p.jsonl:1 is nested too deeply")])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b'{"prompt": "caf\xe9"}\n', "is not UTF-8 (byte 0xe9"),
+        (b"[" * 100_000 + b"]" * 100_000 + b"\n", "p.jsonl:1 is nested too deeply"),
+    ],
+)
 def test_eval_prompts_that_are_not_utf8_or_too_deep(tmp_path, capsys, content, message):
     from nestling.evaluate.prompts import load_prompts
     from nestling.errors import NestlingError

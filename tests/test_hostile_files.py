@@ -18,12 +18,21 @@ from capture_fixture import RunsAShellCommand, cached_capture, one_thread, run_c
 
 from nestling.cli import main
 
-TRAIN = ["--ttt-steps", "2", "batch_tokens=64", "draft_vocab_size=100", "lr=3e-3", "checkpoint_every=1",
-         "eval_every=0", "progress_interval=100"]
+TRAIN = [
+    "--ttt-steps",
+    "2",
+    "batch_tokens=64",
+    "draft_vocab_size=100",
+    "lr=3e-3",
+    "checkpoint_every=1",
+    "eval_every=0",
+    "progress_interval=100",
+]
 CHAT = {"conversations": [{"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "Hello! How can I help?"}]}
 
 
 # ---- fixtures: one real folder per stage, built once ---------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def target(tiny_target) -> Path:
@@ -66,6 +75,7 @@ def draft(trained, tmp_path_factory) -> Path:
 
 # ---- helpers ------------------------------------------------------------------------------------
 
+
 def snapshot(folder: Path) -> dict[str, bytes]:
     """Every file under `folder` with its bytes: equal snapshots = nothing written, nothing lost."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
@@ -98,6 +108,7 @@ FOREIGN = ("is not empty and was not written by nestling", "never writes over or
 
 # ---- a non-empty folder nestling did not write is never written to ------------------------------
 
+
 def test_export_refuses_a_foreign_folder(trained, tmp_path, capsys):
     before, train_before = foreign_folder(tmp_path / "mine"), snapshot(trained)
     refused(["export", str(trained), "--out", str(tmp_path / "mine")], capsys, *FOREIGN, "notes.txt")
@@ -106,22 +117,30 @@ def test_export_refuses_a_foreign_folder(trained, tmp_path, capsys):
 
 def test_data_refuses_a_foreign_folder_and_another_stages_folder(chat, target, trained, tmp_path, capsys):
     before = foreign_folder(tmp_path / "mine")
-    refused(["data", str(chat), "--target", str(target), "--out", str(tmp_path / "mine"), "workers=1"], capsys, *FOREIGN)
+    refused(
+        ["data", str(chat), "--target", str(target), "--out", str(tmp_path / "mine"), "workers=1"], capsys, *FOREIGN
+    )
     assert snapshot(tmp_path / "mine") == before
     train_before = snapshot(trained)
-    refused(["data", str(chat), "--target", str(target), "--out", str(trained), "workers=1"], capsys,
-            "holds the output of `nestling train`, not of `nestling data`")
+    refused(
+        ["data", str(chat), "--target", str(target), "--out", str(trained), "workers=1"],
+        capsys,
+        "holds the output of `nestling train`, not of `nestling data`",
+    )
     assert snapshot(trained) == train_before
 
 
-def test_capture_train_eval_regenerate_refuse_a_foreign_folder(data_dir, capture, draft, chat, target, tmp_path,
-                                                                capsys):
+def test_capture_train_eval_regenerate_refuse_a_foreign_folder(
+    data_dir, capture, draft, chat, target, tmp_path, capsys
+):
     mine = tmp_path / "mine"
     before = foreign_folder(mine)
-    for argv in (["capture", str(data_dir), "--target", str(target), "--out", str(mine)],
-                 ["train", str(capture), "--out", str(mine), "--steps", "1", *TRAIN],
-                 ["eval", str(draft), "--target", str(target), "--prompts", str(chat), "--out", str(mine)],
-                 ["regenerate", str(chat), "--target", str(target), "--out", str(mine), "--engine", "hf"]):
+    for argv in (
+        ["capture", str(data_dir), "--target", str(target), "--out", str(mine)],
+        ["train", str(capture), "--out", str(mine), "--steps", "1", *TRAIN],
+        ["eval", str(draft), "--target", str(target), "--prompts", str(chat), "--out", str(mine)],
+        ["regenerate", str(chat), "--target", str(target), "--out", str(mine), "--engine", "hf"],
+    ):
         refused(argv, capsys, *FOREIGN)
         assert snapshot(mine) == before, argv[0]
 
@@ -138,12 +157,17 @@ def test_run_refuses_a_foreign_stage_folder(chat, target, tmp_path, capsys):
     before = foreign_folder(run_dir / "data")
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"target: {target}\ninputs: [{chat}]\nrun_dir: {run_dir}\ndata:\n  workers: 1\n")
-    refused(["run", str(cfg)], capsys, f"the data folder of run_dir {run_dir / 'data'} is not empty and was not "
-            "written by nestling", "set run_dir to a new folder")
+    refused(
+        ["run", str(cfg)],
+        capsys,
+        f"the data folder of run_dir {run_dir / 'data'} is not empty and was not written by nestling",
+        "set run_dir to a new folder",
+    )
     assert snapshot(run_dir / "data") == before
 
 
 # ---- --out is never an input, inside one, or above one ------------------------------------------
+
 
 @pytest.mark.parametrize("where, relation", [("same", "is"), ("inside", "lies inside"), ("parent", "contains")])
 def test_export_out_at_the_training_folder(trained, where, relation, capsys):
@@ -152,33 +176,54 @@ def test_export_out_at_the_training_folder(trained, where, relation, capsys):
     (runs / "other-run").mkdir(exist_ok=True)
     (runs / "other-run" / "model.safetensors").write_bytes(b"another run's weights")
     before = snapshot(runs)
-    refused(["export", str(trained), "--out", out], capsys, f"{relation} the training folder {trained}",
-            "apart from the stage's inputs")
+    refused(
+        ["export", str(trained), "--out", out],
+        capsys,
+        f"{relation} the training folder {trained}",
+        "apart from the stage's inputs",
+    )
     assert snapshot(runs) == before  # the training run and its siblings: every byte still there
     assert not (trained / "draft").exists()
 
 
 def test_data_out_holding_its_input_or_inside_the_target(chat, target, capsys):
     before = snapshot(chat.parent)
-    refused(["data", str(chat), "--target", str(target), "--out", str(chat.parent), "workers=1"], capsys,
-            f"contains the input file {chat}")
-    refused(["data", str(chat), "--target", str(target), "--out", str(chat), "workers=1"], capsys,
-            f"is the input file {chat}")
+    refused(
+        ["data", str(chat), "--target", str(target), "--out", str(chat.parent), "workers=1"],
+        capsys,
+        f"contains the input file {chat}",
+    )
+    refused(
+        ["data", str(chat), "--target", str(target), "--out", str(chat), "workers=1"],
+        capsys,
+        f"is the input file {chat}",
+    )
     assert snapshot(chat.parent) == before
     target_before = snapshot(target)
-    refused(["data", str(chat), "--target", str(target), "--out", str(target / "data"), "workers=1"], capsys,
-            f"lies inside the target {target}")
+    refused(
+        ["data", str(chat), "--target", str(target), "--out", str(target / "data"), "workers=1"],
+        capsys,
+        f"lies inside the target {target}",
+    )
     assert snapshot(target) == target_before and not (target / "data").exists()
 
 
 def test_capture_train_eval_regenerate_out_at_an_input(data_dir, capture, draft, chat, target, capsys):
-    cases = [(["capture", str(data_dir), "--target", str(target), "--out", str(data_dir)], "is the data folder"),
-             (["train", str(capture), "--out", str(capture / "train"), "--steps", "1", *TRAIN],
-              "lies inside the capture folder"),
-             (["eval", str(draft), "--target", str(target), "--prompts", str(chat), "--out", str(draft)],
-              "is the draft folder"),
-             (["regenerate", str(chat), "--target", str(target), "--out", str(chat.parent), "--engine", "hf"],
-              "contains the input file")]
+    cases = [
+        (["capture", str(data_dir), "--target", str(target), "--out", str(data_dir)], "is the data folder"),
+        (
+            ["train", str(capture), "--out", str(capture / "train"), "--steps", "1", *TRAIN],
+            "lies inside the capture folder",
+        ),
+        (
+            ["eval", str(draft), "--target", str(target), "--prompts", str(chat), "--out", str(draft)],
+            "is the draft folder",
+        ),
+        (
+            ["regenerate", str(chat), "--target", str(target), "--out", str(chat.parent), "--engine", "hf"],
+            "contains the input file",
+        ),
+    ]
     before = {p: snapshot(p) for p in (data_dir, capture, draft, chat.parent)}
     for argv, message in cases:
         refused(argv, capsys, message)
@@ -186,6 +231,7 @@ def test_capture_train_eval_regenerate_out_at_an_input(data_dir, capture, draft,
 
 
 # ---- what nestling wrote itself is reused, resumed or replaced as before ------------------------
+
 
 def test_export_again_replaces_its_own_files_and_keeps_the_users(trained, tmp_path, capsys):
     out = tmp_path / "draft"
@@ -196,8 +242,13 @@ def test_export_again_replaces_its_own_files_and_keeps_the_users(trained, tmp_pa
     assert (out / "README.md").read_text() == "# my draft\n"
     assert (out / "model.safetensors").read_bytes() != first
     assert json.loads((out / "manifest.json").read_text())["settings"]["dtype"] == "bfloat16"
-    assert sorted(p.name for p in out.iterdir()) == [".nestling-stage.json", "README.md", "config.json",
-                                                     "manifest.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".nestling-stage.json",
+        "README.md",
+        "config.json",
+        "manifest.json",
+        "model.safetensors",
+    ]
 
 
 def test_a_killed_export_leaves_no_half_folder(trained, tmp_path):
@@ -227,15 +278,33 @@ def test_resume_into_its_own_folder_with_overrides_after_the_flag(capture, train
     for step in (3, 4):
         shutil.rmtree(out / "checkpoints" / f"step-{step:08d}")
     capsys.readouterr()
-    assert main(["train", str(capture), "--out", str(out), "--steps", "4", "--resume", *TRAIN[:-1],
-                 "progress_interval=50"]) == 0
+    assert (
+        main(
+            ["train", str(capture), "--out", str(out), "--steps", "4", "--resume", *TRAIN[:-1], "progress_interval=50"]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert "resumed from" in err and "step-00000002" in err
     assert (out / "manifest.json").exists()
     # an explicit checkpoint has its own option; the checkpoint of another folder is an input
     out2 = tmp_path / "train2"
-    assert main(["train", str(capture), "--out", str(out2), "--steps", "4", *TRAIN,
-                 "--resume-from", str(out / "checkpoints" / "step-00000004")]) == 0
+    assert (
+        main(
+            [
+                "train",
+                str(capture),
+                "--out",
+                str(out2),
+                "--steps",
+                "4",
+                *TRAIN,
+                "--resume-from",
+                str(out / "checkpoints" / "step-00000004"),
+            ]
+        )
+        == 0
+    )
     assert "resumed from" in capsys.readouterr().err
 
 
@@ -249,6 +318,7 @@ def test_rerun_of_data_into_its_own_folder_is_a_no_op(chat, target, data_dir, ca
 
 # ---- nothing from an input is executed ----------------------------------------------------------
 
+
 def test_resume_refuses_an_optimizer_file_that_would_run_code(capture, tmp_path, capsys):
     out = tmp_path / "train"
     assert main(["train", str(capture), "--out", str(out), "--steps", "2", *TRAIN]) == 0
@@ -259,13 +329,19 @@ def test_resume_refuses_an_optimizer_file_that_would_run_code(capture, tmp_path,
     (state["muon"] if "muon" in state else state)["param_groups"][0]["payload"] = RunsAShellCommand(marker)
     torch.save(state, opt)
     before = snapshot(out)
-    refused(["train", str(capture), "--out", str(out), "--steps", "2", "--resume", *TRAIN], capsys,
-            f"refusing to load {opt}", "posix.system", "can run code when loaded")
+    refused(
+        ["train", str(capture), "--out", str(out), "--steps", "2", "--resume", *TRAIN],
+        capsys,
+        f"refusing to load {opt}",
+        "posix.system",
+        "can run code when loaded",
+    )
     assert not marker.exists()
     assert snapshot(out) == before
 
 
 # ---- one writer per folder ----------------------------------------------------------------------
+
 
 def test_a_second_train_on_the_same_folder_is_refused(capture, tmp_path, capsys):
     out = tmp_path / "train"
@@ -276,18 +352,26 @@ def test_a_second_train_on_the_same_folder_is_refused(capture, tmp_path, capsys)
             assert first.poll() is None, first.stdout.read()
             assert time.time() < deadline
             time.sleep(0.05)
-        refused(["train", str(capture), "--out", str(out), "--steps", "2", *TRAIN], capsys,
-                f"another `nestling train` is using {out} (pid {first.pid} on", "write to another --out folder")
+        refused(
+            ["train", str(capture), "--out", str(out), "--steps", "2", *TRAIN],
+            capsys,
+            f"another `nestling train` is using {out} (pid {first.pid} on",
+            "write to another --out folder",
+        )
         assert first.poll() is None  # the first run goes on undisturbed
     finally:
         first.kill()
         first.wait()
     # the lock died with the process: the next run gets the folder (and is told to resume it)
-    refused(["train", str(capture), "--out", str(out), "--steps", "2", *TRAIN], capsys,
-            "already holds checkpoints; pass --resume")
+    refused(
+        ["train", str(capture), "--out", str(out), "--steps", "2", *TRAIN],
+        capsys,
+        "already holds checkpoints; pass --resume",
+    )
 
 
 # ---- every file a stage writes is one it may delete again ----------------------------------------
+
 
 def test_every_file_a_stage_writes_is_in_its_owned_names(data_dir, target, trained, draft, tmp_path):
     """A stage restarted on its folder removes only `outdir.OWNS[stage]`: a name missing there would

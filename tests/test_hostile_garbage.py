@@ -21,8 +21,15 @@ from nestling.errors import NestlingError
 from nestling.export.run import export
 from nestling.export.settings import ExportSettings
 
-TRAIN = ["batch_tokens=64", "draft_vocab_size=100", "ttt_steps=2", "lr=3e-3", "progress_interval=100",
-         "eval_every=0", "log_every=1"]
+TRAIN = [
+    "batch_tokens=64",
+    "draft_vocab_size=100",
+    "ttt_steps=2",
+    "lr=3e-3",
+    "progress_interval=100",
+    "eval_every=0",
+    "log_every=1",
+]
 
 
 def cli(capsys, *args) -> tuple[int, str]:
@@ -36,6 +43,7 @@ def cli(capsys, *args) -> tuple[int, str]:
 
 # ---- train: the first non-finite loss stops the run ----------------------------------------------------
 
+
 def _poison(capture: Path, dst: Path, sample: int) -> str:
     """A copy of `capture` whose training sample number `sample` has NaN hidden states; its id."""
     shutil.copytree(capture, dst)
@@ -45,7 +53,7 @@ def _poison(capture: Path, dst: Path, sample: int) -> str:
     with safe_open(str(path), "pt") as f:
         meta = f.metadata()
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    tensors["hidden"][e["offset"]:e["offset"] + e["length"]] = float("nan")
+    tensors["hidden"][e["offset"] : e["offset"] + e["length"]] = float("nan")
     save_file(tensors, str(path), metadata=meta)
     return e["sample_id"]
 
@@ -63,7 +71,9 @@ def test_nan_states_stop_training_at_the_first_bad_step(capture, tmp_path, capsy
     assert rc == 1
     assert "loss is not finite" in err and "step 3" in err and sid in err and "capture --verify" in err
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
-    assert torch.isfinite(load_file(str(out / "checkpoints" / "step-00000002" / "model.safetensors"))["fc.weight"]).all()
+    assert torch.isfinite(
+        load_file(str(out / "checkpoints" / "step-00000002" / "model.safetensors"))["fc.weight"]
+    ).all()
     assert not (out / "manifest.json").exists() and not (out / "model.safetensors").exists()
 
 
@@ -82,6 +92,7 @@ def test_guard_reports_a_non_finite_gradient():
 
 
 # ---- export and eval refuse NaN weights; eval refuses to report acceptance of nothing ---------------------
+
 
 @pytest.fixture(scope="module")
 def draft_dir(tiny, tmp_path_factory) -> Path:
@@ -107,42 +118,64 @@ def test_eval_refuses_a_non_finite_draft(tiny, draft_dir, tmp_path, capsys):
     w["lm_head.weight"][3] = float("inf")
     save_file(w, str(bad / "model.safetensors"), metadata={"format": "pt"})
     prompts = write_prompts_jsonl(tmp_path / "p.jsonl", ["Say hello."])
-    rc, err = cli(capsys, "eval", bad, "--target", tiny, "--prompts", prompts, "--out", tmp_path / "e",
-                  "--max-new-tokens", 4)
+    rc, err = cli(
+        capsys, "eval", bad, "--target", tiny, "--prompts", prompts, "--out", tmp_path / "e", "--max-new-tokens", 4
+    )
     assert rc == 1 and "lm_head.weight holds" in err and "non-finite" in err
     assert not (tmp_path / "e" / "report.json").exists() and not (tmp_path / "e" / "manifest.json").exists()
 
 
 def test_eval_with_nothing_drafted_is_an_error_not_acceptance_one(tiny, draft_dir, tmp_path, capsys):
     prompts = write_prompts_jsonl(tmp_path / "p.jsonl", ["Say hello."])
-    rc, err = cli(capsys, "eval", draft_dir, "--target", tiny, "--prompts", prompts, "--out", tmp_path / "e",
-                  "--max-new-tokens", 1)  # the prefill's token only: no draft step
+    rc, err = cli(
+        capsys,
+        "eval",
+        draft_dir,
+        "--target",
+        tiny,
+        "--prompts",
+        prompts,
+        "--out",
+        tmp_path / "e",
+        "--max-new-tokens",
+        1,
+    )  # the prefill's token only: no draft step
     assert rc == 1 and "nothing was drafted over 1 prompt" in err and "1.000" not in err
     assert not (tmp_path / "e" / "manifest.json").exists()
 
 
-@pytest.mark.parametrize("flag, value, message", [("--temperature", -1, "temperature must be >= 0"),
-                                                   ("--max-new-tokens", 0, "max_new_tokens must be at least 1"),
-                                                   ("--k", 0, "k must be at least 1")])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--temperature", -1, "temperature must be >= 0"),
+        ("--max-new-tokens", 0, "max_new_tokens must be at least 1"),
+        ("--k", 0, "k must be at least 1"),
+    ],
+)
 def test_eval_settings_that_measure_nothing_are_refused(draft_dir, tiny, tmp_path, capsys, flag, value, message):
     prompts = write_prompts_jsonl(tmp_path / "p.jsonl", ["Say hello."])
-    rc, err = cli(capsys, "eval", draft_dir, "--target", tiny, "--prompts", prompts, "--out", tmp_path / "e",
-                  flag, value)
+    rc, err = cli(
+        capsys, "eval", draft_dir, "--target", tiny, "--prompts", prompts, "--out", tmp_path / "e", flag, value
+    )
     assert rc == 1 and message in err and not (tmp_path / "e").exists()
 
 
 # ---- train settings refused when read ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("args, message", [
-    (["--steps", "0"], "steps must be at least 1"),
-    (["--steps", "-3"], "steps must be at least 1"),
-    (["--epochs", "0"], "epochs must be a positive number"),
-    (["lr=-1e-3"], "lr must be a positive number"),
-    (["lr=nan"], "lr must be a positive number"),
-    (["lr=.nan"], "lr must be a positive number"),
-    (["warmup_ratio=2"], "warmup_ratio is a fraction"),
-    (["grad_clip=-1"], "grad_clip must be a finite number >= 0"),
-])
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--steps", "0"], "steps must be at least 1"),
+        (["--steps", "-3"], "steps must be at least 1"),
+        (["--epochs", "0"], "epochs must be a positive number"),
+        (["lr=-1e-3"], "lr must be a positive number"),
+        (["lr=nan"], "lr must be a positive number"),
+        (["lr=.nan"], "lr must be a positive number"),
+        (["warmup_ratio=2"], "warmup_ratio is a fraction"),
+        (["grad_clip=-1"], "grad_clip must be a finite number >= 0"),
+    ],
+)
 def test_train_settings_refused_before_anything_is_written(capture, tmp_path, capsys, args, message):
     out = tmp_path / "train"
     rc, err = cli(capsys, "train", capture, "--out", out, *args)
@@ -151,6 +184,7 @@ def test_train_settings_refused_before_anything_is_written(capture, tmp_path, ca
 
 # ---- capture: a layer list without aux layers ----------------------------------------------------------------
 
+
 def test_capture_layers_without_aux_refused_before_loading(tiny, tmp_path, capsys):
     out = tmp_path / "cap"
     rc, err = cli(capsys, "capture", tmp_path / "no-such-data", "--target", tiny, "--out", out, "--layers", "6")
@@ -158,6 +192,7 @@ def test_capture_layers_without_aux_refused_before_loading(tiny, tmp_path, capsy
 
 
 # ---- data: non-text content and invalid UTF-8 are dropped and counted ---------------------------------------
+
 
 def _data(tmp_path: Path, tiny: Path, lines: list[bytes], name: str = "in.jsonl", *extra) -> tuple[int, dict]:
     src = tmp_path / name
@@ -168,15 +203,22 @@ def _data(tmp_path: Path, tiny: Path, lines: list[bytes], name: str = "in.jsonl"
 
 
 def _line(content, role="assistant") -> bytes:
-    return (json.dumps({"messages": [{"role": "user", "content": "Hi there."}, {"role": role, "content": content}]})
-            + "\n").encode()
+    return (
+        json.dumps({"messages": [{"role": "user", "content": "Hi there."}, {"role": role, "content": content}]}) + "\n"
+    ).encode()
 
 
 def test_non_text_content_and_invalid_utf8_are_dropped_and_counted(tiny, tmp_path, capsys):
-    lines = [_line("Hello."), _line(42), _line(["a", "b"]), _line(True), _line([{"type": "text", "text": "Ok."}]),
-             _line("caf\u00e9").replace("caf\\u00e9".encode(), b"caf\xe9"),  # latin-1 byte: not UTF-8
-             _line("\udc80x"),  # a JSON escape of half a character
-             _line("Fine.")]
+    lines = [
+        _line("Hello."),
+        _line(42),
+        _line(["a", "b"]),
+        _line(True),
+        _line([{"type": "text", "text": "Ok."}]),
+        _line("caf\u00e9").replace("caf\\u00e9".encode(), b"caf\xe9"),  # latin-1 byte: not UTF-8
+        _line("\udc80x"),  # a JSON escape of half a character
+        _line("Fine."),
+    ]
     rc, m = _data(tmp_path, tiny, lines)
     assert rc == 0
     assert m["counts"]["read"] == 8 and m["counts"]["kept"] == 3
@@ -193,6 +235,7 @@ def test_invalid_utf8_in_a_json_list_is_counted(tiny, tmp_path):
 
 
 # ---- item 4: the tokenizer fingerprint covers the whole tokenizer --------------------------------------------
+
 
 @pytest.fixture
 def fewer_merges(tiny, tmp_path) -> Path:

@@ -11,8 +11,17 @@ import yaml
 
 from nestling.pipeline.demo import demo, demo_config_path, summary
 
-SMALL = ["data.limit=50", "data.max_length=128", "data.held_out=0.1", "train.steps=4", "train.batch_tokens=1024",
-         "train.eval_batches=1", "train.checkpoint_every=2", "eval.max_prompts=1", "eval.max_new_tokens=16"]
+SMALL = [
+    "data.limit=50",
+    "data.max_length=128",
+    "data.held_out=0.1",
+    "train.steps=4",
+    "train.batch_tokens=1024",
+    "train.eval_batches=1",
+    "train.checkpoint_every=2",
+    "eval.max_prompts=1",
+    "eval.max_new_tokens=16",
+]
 
 
 def test_shipped_demo_config_is_the_example():
@@ -25,8 +34,9 @@ def test_shipped_demo_config_is_the_example():
 def test_summary_says_what_the_figure_is_measured_against(tmp_path):
     """Beside the draft's figure the demo prints what no speculation (1.0) and a perfect draft (K + 1) give."""
     (tmp_path / "eval").mkdir()
-    (tmp_path / "eval" / "report.json").write_text(json.dumps(
-        {"k": 5, "engines": {"vllm": {"acceptance_length": 1.8}}}))
+    (tmp_path / "eval" / "report.json").write_text(
+        json.dumps({"k": 5, "engines": {"vllm": {"acceptance_length": 1.8}}})
+    )
     text = summary(tmp_path, "T", 3)
     assert "acceptance length (vllm, K=5): 1.800" in text
     assert "no speculation gives 1.000, a perfect draft 6.000 (K + 1)" in text

@@ -19,7 +19,8 @@ def write_config(tmp: Path, target: Path, inputs: Path, extra: str = "") -> Path
     cfg.write_text(
         f"target: {target}\ninputs: [{inputs}]\nrun_dir: {tmp / 'run'}\n"
         "data: {max_length: 256, held_out: 0.1}\ncapture: {dtype: float32}\ntrain: {batch_tokens: 512, online: false}\n"
-        "eval: {engine: reference}\n" + extra)
+        "eval: {engine: reference}\n" + extra
+    )
     return cfg
 
 

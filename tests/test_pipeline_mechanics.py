@@ -44,7 +44,9 @@ def repeat_stage(ctx) -> None:
     text = Path(ctx.inputs[0]).read_text().strip()
     ctx.out.mkdir(parents=True, exist_ok=True)
     (ctx.out / "out.txt").write_text(" ".join([text] * ctx.settings.n))
-    write_manifest(ctx.out, "repeat", {"n": ctx.settings.n}, {}, splits={"train": {"samples": 1, "tokens": ctx.settings.n}})
+    write_manifest(
+        ctx.out, "repeat", {"n": ctx.settings.n}, {}, splits={"train": {"samples": 1, "tokens": ctx.settings.n}}
+    )
 
 
 def scale_stage(ctx) -> None:
@@ -162,9 +164,14 @@ def test_changed_setting_wipes_a_partial_stage(setup, monkeypatch):
 
 def test_config_errors(setup):
     tmp, cfg = setup
-    with pytest.raises(NestlingError, match=r"unknown setting 'repeat.m'; valid settings of repeat: n, progress_interval"):
+    with pytest.raises(
+        NestlingError, match=r"unknown setting 'repeat.m'; valid settings of repeat: n, progress_interval"
+    ):
         go(cfg, "repeat.m=1")
-    with pytest.raises(NestlingError, match=r"unknown setting 'trian'.*valid top-level keys: target, inputs, run_dir, prompts, repeat, scale"):
+    with pytest.raises(
+        NestlingError,
+        match=r"unknown setting 'trian'.*valid top-level keys: target, inputs, run_dir, prompts, repeat, scale",
+    ):
         go(cfg, "trian.steps=1")
     with pytest.raises(NestlingError, match="expected int"):
         go(cfg, "repeat.n=many")
@@ -249,7 +256,9 @@ def test_one_run_per_folder(setup):
             seen.append(str(e))
         repeat_stage(ctx)
 
-    assert {o.name: o.action for o in run(cfg, stages=(Stage("repeat", RepeatSettings, nested, owns=REPEAT_OWNS), STAGES[1]))} == {
-        "repeat": "ran", "scale": "ran"}
+    assert {
+        o.name: o.action
+        for o in run(cfg, stages=(Stage("repeat", RepeatSettings, nested, owns=REPEAT_OWNS), STAGES[1]))
+    } == {"repeat": "ran", "scale": "ran"}
     assert len(seen) == 1 and "another nestling run is using" in seen[0] and f"pid {os.getpid()}" in seen[0]
     assert go(cfg, from_stage="repeat") == {"repeat": "ran", "scale": "ran"}  # the lock is released

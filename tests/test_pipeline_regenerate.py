@@ -15,7 +15,8 @@ def test_regenerate_feeds_data(tmp_path, tiny_target, sharegpt_path):
     cfg.write_text(
         f"target: {tiny_target('llama')}\ninputs: [{sharegpt_path}]\nrun_dir: {tmp_path / 'run'}\n"
         "regenerate: {engine: hf, limit: 3, max_new_tokens: 4, max_turns: 1, dtype: float32}\n"
-        "data: {max_length: 256, workers: 1}\n")
+        "data: {max_length: 256, workers: 1}\n"
+    )
     outcomes = run(cfg, until="data")
     assert [(o.name, o.action) for o in outcomes] == [("regenerate", "ran"), ("data", "ran")]
     regen = json.loads((tmp_path / "run" / "regenerate" / "manifest.json").read_text())
@@ -26,4 +27,6 @@ def test_regenerate_feeds_data(tmp_path, tiny_target, sharegpt_path):
     outcomes = run(cfg, ["regenerate.max_new_tokens=5"], until="data")
     assert [(o.name, o.action) for o in outcomes] == [("regenerate", "ran"), ("data", "ran")]
     assert [(o.name, o.action) for o in run(cfg, ["regenerate.max_new_tokens=5"], until="data")] == [
-        ("regenerate", "skipped"), ("data", "skipped")]
+        ("regenerate", "skipped"),
+        ("data", "skipped"),
+    ]

@@ -34,8 +34,13 @@ export: {{dtype: float32}}
 
 def start(cfg: Path, log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": SRC, "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen([sys.executable, "-m", "nestling", "run", str(cfg), "--until", "export"],
-                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "nestling", "run", str(cfg), "--until", "export"],
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def kill_when(proc: subprocess.Popen, ready, log: Path, timeout: float = 300.0) -> None:
@@ -66,14 +71,26 @@ def test_kill_during_capture_and_train_then_same_draft(tmp_path, tiny_target, sh
 
     cfg = config(tmp_path, target, sharegpt_path, run_dir)
     shards = run_dir / "capture" / "train"
-    kill_when(start(cfg, log), lambda: len(list(shards.glob("shard-*.safetensors"))) >= 2
-              and not (run_dir / "capture" / "manifest.json").exists(), log)
+    kill_when(
+        start(cfg, log),
+        lambda: (
+            len(list(shards.glob("shard-*.safetensors"))) >= 2 and not (run_dir / "capture" / "manifest.json").exists()
+        ),
+        log,
+    )
     assert not (run_dir / "capture" / "manifest.json").exists()
     kept = sorted(p.name for p in shards.glob("shard-*.safetensors"))
 
     ckpts = run_dir / "train" / "checkpoints"
-    kill_when(start(cfg, log), lambda: ckpts.exists() and any(ckpts.glob("step-*/state.json"))
-              and not (run_dir / "train" / "manifest.json").exists(), log)
+    kill_when(
+        start(cfg, log),
+        lambda: (
+            ckpts.exists()
+            and any(ckpts.glob("step-*/state.json"))
+            and not (run_dir / "train" / "manifest.json").exists()
+        ),
+        log,
+    )
     text = log.read_text()
     assert "capture: resuming the interrupted run" in text and "data: complete" in text
     assert not (run_dir / "train" / "manifest.json").exists()

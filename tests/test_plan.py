@@ -19,24 +19,62 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 # config.json values of the public checkpoints (deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct).
 DEEPSEEK_V3 = dict(
-    model_type="deepseek_v3", hidden_size=7168, num_hidden_layers=61, vocab_size=129280, n_routed_experts=256,
-    num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048, intermediate_size=18432,
-    first_k_dense_replace=3, moe_layer_freq=1, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
-    qk_nope_head_dim=128, v_head_dim=128, num_attention_heads=128, num_key_value_heads=128,
-    tie_word_embeddings=False, max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000,
-    quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                         "weight_block_size": [128, 128]},
+    model_type="deepseek_v3",
+    hidden_size=7168,
+    num_hidden_layers=61,
+    vocab_size=129280,
+    n_routed_experts=256,
+    num_experts_per_tok=8,
+    n_shared_experts=1,
+    moe_intermediate_size=2048,
+    intermediate_size=18432,
+    first_k_dense_replace=3,
+    moe_layer_freq=1,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    tie_word_embeddings=False,
+    max_position_embeddings=163840,
+    rms_norm_eps=1e-6,
+    rope_theta=10000,
+    quantization_config={
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
 )
-KIMI_K2 = dict(DEEPSEEK_V3, vocab_size=163840, num_attention_heads=64, num_key_value_heads=64,
-               n_routed_experts=384, first_k_dense_replace=1, quantization_config=None)
+KIMI_K2 = dict(
+    DEEPSEEK_V3,
+    vocab_size=163840,
+    num_attention_heads=64,
+    num_key_value_heads=64,
+    n_routed_experts=384,
+    first_k_dense_replace=1,
+    quantization_config=None,
+)
 # Kimi-K2-Thinking / K2.5: routed experts in INT4 (compressed-tensors pack-quantized, symmetric groups
 # of 32 with a bf16 scale), attention, shared experts, the dense layer and lm_head in bf16.
-W4A16 = {"quant_method": "compressed-tensors", "format": "pack-quantized",
-         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-             "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}},
-         "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]}
-KIMI_K25 = {"model_type": "kimi_k25", "text_config": {**KIMI_K2, "quantization_config": None},
-            "quantization_config": W4A16}
+W4A16 = {
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32},
+        }
+    },
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+}
+KIMI_K25 = {
+    "model_type": "kimi_k25",
+    "text_config": {**KIMI_K2, "quantization_config": None},
+    "quantization_config": W4A16,
+}
 
 
 def write_config(tmp_path: Path, cfg: dict, name: str = "model") -> Path:
@@ -47,6 +85,7 @@ def write_config(tmp_path: Path, cfg: dict, name: str = "model") -> Path:
 
 
 # ---- parameters, weights, FLOPs -------------------------------------------------------------------------
+
 
 def test_deepseek_v3_matches_its_published_sizes():
     p = M.count_params(DEEPSEEK_V3)
@@ -80,8 +119,15 @@ def test_kimi_k25_w4a16_quantizes_the_routed_experts_only():
 
 
 def test_small_dense_config_by_hand():
-    cfg = dict(hidden_size=64, num_hidden_layers=4, vocab_size=1000, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=16, intermediate_size=128)
+    cfg = dict(
+        hidden_size=64,
+        num_hidden_layers=4,
+        vocab_size=1000,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+    )
     # per layer: q 64*64 + k 64*32 + v 64*32 + o 64*64 = 12288; MLP 3*64*128 = 24576
     layers = 4 * (12288 + 24576)
     total = layers + 1000 * 64 * 2 + (2 * 4 + 1) * 64  # + embed + lm_head + norms
@@ -92,10 +138,24 @@ def test_small_dense_config_by_hand():
 
 
 def test_small_moe_mla_config_by_hand():
-    cfg = dict(hidden_size=32, num_hidden_layers=3, vocab_size=100, num_attention_heads=2, intermediate_size=64,
-               first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-               moe_intermediate_size=16, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8,
-               v_head_dim=8, quantization_config=W4A16)
+    cfg = dict(
+        hidden_size=32,
+        num_hidden_layers=3,
+        vocab_size=100,
+        num_attention_heads=2,
+        intermediate_size=64,
+        first_k_dense_replace=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=16,
+        q_lora_rank=16,
+        kv_lora_rank=8,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        quantization_config=W4A16,
+    )
     # MLA per layer: q 32*16 + 16*2*12 = 896, kv 32*(8+4) + 8*2*(8+8) = 640, o 2*8*32 = 512 -> 2048
     attn, dense, expert = 3 * 2048, 1 * 3 * 32 * 64, 3 * 32 * 16
     routed, shared, router = 2 * 4 * expert, 2 * 1 * expert, 2 * 4 * 32
@@ -114,15 +174,27 @@ def test_unknown_quantization_is_refused():
 
 # ---- the draft's size: the formula equals the module ------------------------------------------------------
 
+
 @pytest.mark.parametrize("layers", [1, 2])
 def test_draft_trainable_params_equal_the_built_module(layers):
     from types import SimpleNamespace
 
     from nestling.draft.model import DraftConfig, Eagle3Draft
 
-    cfg = SimpleNamespace(hidden_size=48, intermediate_size=80, num_attention_heads=4, num_key_value_heads=2,
-                          head_dim=16, vocab_size=300, num_hidden_layers=6, rms_norm_eps=1e-6, rope_theta=1e4,
-                          max_position_embeddings=128, hidden_act="silu", model_type="llama")
+    cfg = SimpleNamespace(
+        hidden_size=48,
+        intermediate_size=80,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=300,
+        num_hidden_layers=6,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        max_position_embeddings=128,
+        hidden_act="silu",
+        model_type="llama",
+    )
     c = DraftConfig.from_target(cfg, 100, [1, 3, 4], num_hidden_layers=layers)
     draft = Eagle3Draft(c)
     assert c.trainable_params() == sum(p.numel() for p in draft.parameters() if p.requires_grad)
@@ -130,9 +202,17 @@ def test_draft_trainable_params_equal_the_built_module(layers):
 
 # ---- the whole plan --------------------------------------------------------------------------------------
 
+
 def test_small_plan_store_and_memory_by_hand(tmp_path):
-    cfg = dict(hidden_size=64, num_hidden_layers=4, vocab_size=1000, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=16, intermediate_size=128)
+    cfg = dict(
+        hidden_size=64,
+        num_hidden_layers=4,
+        vocab_size=1000,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+    )
     p = plan(write_config(tmp_path, cfg), PlanSettings(tokens=1000, gpus=2, gpu_memory="16GB", disk="300KB"))
     assert p["layer_ids"] == [1, 2, 4]  # default aux [2, L//2, L-3] = {2, 1} + final 4
     # bf16: 3 slots x 64 x 2 B + int32 id + uint8 mask; float8: 3 x 64 x 1 B + 3 float32 scales + 5
@@ -167,10 +247,15 @@ def test_kimi_k25_on_8x96gb_with_4tb(tmp_path):
     assert p["draft"]["parallel"] == "ddp"
     # 16 GPUs of 192 GB hold the dequantized target (device_map: one GPU computes at a time); with 8 TB
     # the bf16 store fits and is preferred
-    p16 = plan(write_config(tmp_path, KIMI_K25, "k16"), PlanSettings(tokens=100_000_000, gpus=16, gpu_memory="192GB",
-                                                                      disk="8TB"))
+    p16 = plan(
+        write_config(tmp_path, KIMI_K25, "k16"),
+        PlanSettings(tokens=100_000_000, gpus=16, gpu_memory="192GB", disk="8TB"),
+    )
     assert p16["target_memory"]["tp"] == 16
-    assert p16["recommendation"].startswith("offline, bfloat16 store") and "backend=hf device_map=auto" in p16["recommendation"]
+    assert (
+        p16["recommendation"].startswith("offline, bfloat16 store")
+        and "backend=hf device_map=auto" in p16["recommendation"]
+    )
     cap = p16["time"]["capture"]
     assert cap["busy_gpus"] == 1 and cap["seconds"] == pytest.approx(1e8 / cap["tokens_per_s_per_gpu"])
 
@@ -181,11 +266,20 @@ def test_rates_scale_from_the_measured_llama8b(tmp_path):
     results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
     cap = json.loads((results / "capture_h200_llama8b_192x2048.json").read_text())
     train = json.loads((results / "train_h200_llama8b_compile.json").read_text())
-    llama8b = dict(hidden_size=4096, num_hidden_layers=32, vocab_size=128256, num_attention_heads=32,
-                   num_key_value_heads=8, head_dim=128, intermediate_size=14336)
+    llama8b = dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        vocab_size=128256,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+    )
     p = plan(write_config(tmp_path, llama8b), PlanSettings(tokens=10**6, ttt_steps=7))
     assert p["draft"]["trainable_params"] == train["runs"][0]["trainable_params"]
-    assert p["time"]["capture"]["tokens_per_s_per_gpu"] == pytest.approx(cap["capture_tok_s"], rel=1e-4)  # it counted norms too
+    assert p["time"]["capture"]["tokens_per_s_per_gpu"] == pytest.approx(
+        cap["capture_tok_s"], rel=1e-4
+    )  # it counted norms too
     k7 = next(r for r in train["runs"] if r["K"] == 7)
     assert p["time"]["train"]["tokens_per_s_per_gpu"] == pytest.approx(k7["tokens_per_s"], rel=0.03)
     dsv3 = plan(write_config(tmp_path, DEEPSEEK_V3, "dsv3"), PlanSettings(tokens=10**6))
@@ -217,14 +311,28 @@ def test_tokens_from_a_data_folder(tiny_target, tmp_path):
 
 def test_cli_table_and_json(tmp_path):
     target = write_config(tmp_path, KIMI_K25)
-    cmd = [sys.executable, "-m", "nestling", "plan", str(target), "--tokens", "100000000", "--gpus", "16",
-           "--gpu-memory", "192GB", "--disk", "4TB"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nestling",
+        "plan",
+        str(target),
+        "--tokens",
+        "100000000",
+        "--gpus",
+        "16",
+        "--gpu-memory",
+        "192GB",
+        "--disk",
+        "4TB",
+    ]
     env = {"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
     assert "recommended: offline, float8 store" in out and "57,349" in out and "28,693" in out
     assert "weights 1.9 TiB dequantized to bf16 by transformers" in out
-    js = json.loads(subprocess.run(cmd + ["--json", "ttt_steps=3"], capture_output=True, text=True, env=env,
-                                   check=True).stdout)
+    js = json.loads(
+        subprocess.run(cmd + ["--json", "ttt_steps=3"], capture_output=True, text=True, env=env, check=True).stdout
+    )
     assert js["store"]["float8"]["bytes_per_token"] == 28693 and js["target_memory"]["tp"] == 16
     bad = subprocess.run(cmd[:5], capture_output=True, text=True, env=env)
     assert bad.returncode == 1 and "--tokens N" in bad.stderr

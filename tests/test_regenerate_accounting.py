@@ -20,17 +20,38 @@ def _write_jsonl(path, rows):
 
 
 ROWS = [
-    {"id": "ok1", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "old"},
-                                    {"from": "human", "value": "More?"}, {"from": "gpt", "value": "old2"}]},
+    {
+        "id": "ok1",
+        "conversations": [
+            {"from": "human", "value": "Hi"},
+            {"from": "gpt", "value": "old"},
+            {"from": "human", "value": "More?"},
+            {"from": "gpt", "value": "old2"},
+        ],
+    },
     {"id": "long", "messages": [{"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "x"}]},
-    {"id": "late_long", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"},
-                                     {"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "y"}]},
+    {
+        "id": "late_long",
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "x"},
+            {"role": "user", "content": "word " * 400},
+            {"role": "assistant", "content": "y"},
+        ],
+    },
     {"id": "no_answer", "messages": [{"role": "user", "content": "Hi"}]},
     {"id": "bad_role", "messages": [{"role": "wizard", "content": "Hi"}]},
     "{not json",
     {"id": "empty", "messages": []},
-    {"id": "ok2", "messages": [{"role": "assistant", "content": "lead"}, {"role": "user", "content": "Hello"},
-                               {"role": "assistant", "content": "old"}, {"role": "user", "content": "trailing"}]},
+    {
+        "id": "ok2",
+        "messages": [
+            {"role": "assistant", "content": "lead"},
+            {"role": "user", "content": "Hello"},
+            {"role": "assistant", "content": "old"},
+            {"role": "user", "content": "trailing"},
+        ],
+    },
 ]
 
 
@@ -46,10 +67,21 @@ def test_reader_normalises_roles_and_tolerates_a_cut_off_json_array(tmp_path):
 
 
 def test_reader_drops_unanswerable_turns_and_strip_removes_thinking(tmp_path):
-    p = _write_jsonl(tmp_path / "t.jsonl", [{"messages": [
-        {"role": "assistant", "content": "a"}, {"role": "user", "content": "q"},
-        {"role": "assistant", "content": "b"}, {"role": "user", "content": "q2"},
-        {"role": "assistant", "content": "c"}, {"role": "user", "content": "q3"}]}])
+    p = _write_jsonl(
+        tmp_path / "t.jsonl",
+        [
+            {
+                "messages": [
+                    {"role": "assistant", "content": "a"},
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "b"},
+                    {"role": "user", "content": "q2"},
+                    {"role": "assistant", "content": "c"},
+                    {"role": "user", "content": "q3"},
+                ]
+            }
+        ],
+    )
     (rec,) = read_records(p)
     assert [m["role"] for m in rec.messages] == ["user", "assistant", "user", "assistant"]
     assert rec.altered == ["leading_assistant_dropped", "trailing_turns_dropped"]
@@ -71,7 +103,10 @@ def test_overflow_fails_with_reason_and_counts_add_up(tmp_path, tiny_target):
     assert c["skipped"] == {"empty_conversation": 1, "malformed_json": 1, "no_assistant_turn": 1, "unknown_role": 1}
     assert c["altered"] == {"leading_assistant_dropped": 1, "trailing_turns_dropped": 1}
     kept = [json.loads(line) for line in (tmp_path / "out" / "messages.jsonl").read_text().splitlines()]
-    dropped = {json.loads(line)["id"]: json.loads(line) for line in (tmp_path / "out" / "failed.jsonl").read_text().splitlines()}
+    dropped = {
+        json.loads(line)["id"]: json.loads(line)
+        for line in (tmp_path / "out" / "failed.jsonl").read_text().splitlines()
+    }
     assert [k["id"] for k in kept] == ["ok1", "ok2"] and [k["source_index"] for k in kept] == [0, 7]
     assert dropped["late_long"]["status"] == "failed" and "assistant turn 1" in dropped["late_long"]["detail"]
     assert len(dropped) + len(kept) == len(ROWS)
@@ -120,8 +155,9 @@ def test_hf_batches_respect_the_padded_token_budget():
 def test_tiny_token_budget_still_regenerates_everything(tmp_path, tiny_target):
     target = tiny_target("llama")
     data = _write_jsonl(tmp_path / "in.jsonl", ROWS)
-    s = RegenerateSettings(engine="hf", max_new_tokens=4, max_model_len=256, chunk_size=3, hf_batch_size=8,
-                           hf_batch_tokens=1)  # every request in a batch of its own
+    s = RegenerateSettings(
+        engine="hf", max_new_tokens=4, max_model_len=256, chunk_size=3, hf_batch_size=8, hf_batch_tokens=1
+    )  # every request in a batch of its own
     c = regenerate(data, target, tmp_path / "out", s)["counts"]
     assert c["kept"] == 2 and c["failed"] == {"context_overflow": 2}
 
@@ -132,7 +168,9 @@ def test_hf_batch_limits_default_per_device():
 
     from nestling.regenerate.hf_engine import batch_limits, kv_bytes_per_token
 
-    smollm2 = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, num_attention_heads=9, hidden_size=576, head_dim=64)
+    smollm2 = SimpleNamespace(
+        num_hidden_layers=30, num_key_value_heads=3, num_attention_heads=9, hidden_size=576, head_dim=64
+    )
     kv = kv_bytes_per_token(smollm2, 2)
     assert kv == 2 * 30 * 3 * 64 * 2  # 23 KB per token in bf16
     assert batch_limits(RegenerateSettings(), False, kv, 0) == (8, 262144)

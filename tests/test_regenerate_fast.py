@@ -37,9 +37,17 @@ def one_thread():
 def _reference(model, req: Request, eos: list[int]) -> list[int]:
     """Plain greedy `generate` on one unpadded prompt, cut after the first end-of-answer token."""
     with torch.inference_mode():
-        out = model.generate(torch.tensor([req.prompt_ids]), do_sample=False, max_new_tokens=req.max_tokens,
-                             temperature=None, top_p=None, top_k=None, eos_token_id=eos, pad_token_id=eos[0])
-    gen = out[0, len(req.prompt_ids):].tolist()
+        out = model.generate(
+            torch.tensor([req.prompt_ids]),
+            do_sample=False,
+            max_new_tokens=req.max_tokens,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+        )
+    gen = out[0, len(req.prompt_ids) :].tolist()
     stop = next((i for i, t in enumerate(gen) if t in eos), None)
     return gen if stop is None else gen[: stop + 1]
 
@@ -48,14 +56,19 @@ def _assert_equals_generate(engine: HFEngine, reqs: list[Request]) -> list:
     got = engine.generate(reqs)
     for i, (r, c) in enumerate(zip(reqs, got)):
         assert c.error is None, c.detail
-        assert c.token_ids == _reference(engine.model, r, engine.eos), f"request {i} (prompt {len(r.prompt_ids)} tokens)"
+        assert c.token_ids == _reference(engine.model, r, engine.eos), (
+            f"request {i} (prompt {len(r.prompt_ids)} tokens)"
+        )
     return got
 
 
-@pytest.mark.parametrize("arch,attention", [("llama", "matmul"), ("qwen3", "matmul"), ("llama", "sdpa")])  # qwen3: q/k norms, tied embeddings
+@pytest.mark.parametrize(
+    "arch,attention", [("llama", "matmul"), ("qwen3", "matmul"), ("llama", "sdpa")]
+)  # qwen3: q/k norms, tied embeddings
 def test_fast_greedy_equals_generate_on_a_tiny_model_with_refills(arch, attention, tiny_target, capsys):
-    engine = HFEngine(tiny_target(arch), RegenerateSettings(engine="hf", hf_batch_size=3, max_new_tokens=9,
-                                                            hf_attention=attention))
+    engine = HFEngine(
+        tiny_target(arch), RegenerateSettings(engine="hf", hf_batch_size=3, max_new_tokens=9, hf_attention=attention)
+    )
     assert engine.fast and "fast decode loop" in capsys.readouterr().err
     g = torch.Generator().manual_seed(0)
     lens, limits = [5, 40, 2, 17, 9, 1, 28, 12], [9, 3, 7, 9, 1, 5, 9, 6]  # 8 requests through 3 slots
@@ -75,8 +88,13 @@ def test_fast_greedy_equals_generate_on_smollm2(smollm2_dir):
     from nestling.regenerate.chat import render_prompt
 
     engine = HFEngine(smollm2_dir, RegenerateSettings(engine="hf", hf_batch_size=2, max_new_tokens=24))
-    questions = ["Hi!", "What is the capital of France?", "Say hello in Spanish.",
-                 "Write a haiku about the sea, then explain it in one sentence.", "Thanks, bye."]
+    questions = [
+        "Hi!",
+        "What is the capital of France?",
+        "Say hello in Spanish.",
+        "Write a haiku about the sea, then explain it in one sentence.",
+        "Thanks, bye.",
+    ]
     reqs = [Request(render_prompt(engine.tok, [{"role": "user", "content": q}]), 24, 0) for q in questions]
     got = _assert_equals_generate(engine, reqs)
     assert "stop" in {c.finish_reason for c in got}  # real answers end: slots are freed and refilled
@@ -118,23 +136,53 @@ def test_unsupported_target_falls_back_to_generate_with_a_log_line(tiny_target, 
 # ---- n samples and kill -9, through the regenerate stage --------------------------------------------
 
 N_CONV, CHUNK, N = 5, 1, 2
-ARGS = ["--engine", "hf", "--dtype", "float32", "--max-new-tokens", "24", "--temperature", "0.8", "--n", str(N),
-        f"chunk_size={CHUNK}", "save_token_ids=true", "hf_batch_size=3"]
+ARGS = [
+    "--engine",
+    "hf",
+    "--dtype",
+    "float32",
+    "--max-new-tokens",
+    "24",
+    "--temperature",
+    "0.8",
+    "--n",
+    str(N),
+    f"chunk_size={CHUNK}",
+    "save_token_ids=true",
+    "hf_batch_size=3",
+]
 
 
 @pytest.fixture(scope="module")
 def conversations(tmp_path_factory) -> Path:
-    rows = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Question {i}?"}, {"from": "gpt", "value": "old"},
-                                              {"from": "human", "value": "And then?"}, {"from": "gpt", "value": "old"}]}
-            for i in range(N_CONV)]
+    rows = [
+        {
+            "id": f"c{i}",
+            "conversations": [
+                {"from": "human", "value": f"Question {i}?"},
+                {"from": "gpt", "value": "old"},
+                {"from": "human", "value": "And then?"},
+                {"from": "gpt", "value": "old"},
+            ],
+        }
+        for i in range(N_CONV)
+    ]
     path = tmp_path_factory.mktemp("fast") / "in.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
 def _settings() -> RegenerateSettings:
-    return RegenerateSettings(engine="hf", dtype="float32", max_new_tokens=24, temperature=0.8, n=N,
-                              chunk_size=CHUNK, save_token_ids=True, hf_batch_size=3)
+    return RegenerateSettings(
+        engine="hf",
+        dtype="float32",
+        max_new_tokens=24,
+        temperature=0.8,
+        n=N,
+        chunk_size=CHUNK,
+        save_token_ids=True,
+        hf_batch_size=3,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +201,7 @@ def test_n_samples_are_distinct_and_repeat_on_a_rerun(uninterrupted, conversatio
     rows = _rows(uninterrupted)
     assert [(r["id"], r["sample"]) for r in rows] == [(f"c{i}", k) for i in range(N_CONV) for k in range(N)]
     for i in range(0, len(rows), N):
-        answers = [r["completion_token_ids"] for r in rows[i:i + N]]
+        answers = [r["completion_token_ids"] for r in rows[i : i + N]]
         assert answers[0] != answers[1] and all(len(a) == 2 for a in answers)  # two turns each
     m = json.loads((uninterrupted / "manifest.json").read_text())
     assert m["counts"]["read"] == N_CONV and m["counts"]["kept"] == N_CONV * N and m["counts"]["samples"] == N
@@ -173,8 +221,18 @@ def test_n_above_one_needs_sampling(conversations, tiny_target, tmp_path):
 @pytest.mark.slow
 def test_kill_9_then_resume_equals_uninterrupted(uninterrupted, conversations, tiny_target, tmp_path):
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "nestling", "regenerate", str(conversations), "--target", str(tiny_target("llama")),
-           "--out", str(out), *ARGS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nestling",
+        "regenerate",
+        str(conversations),
+        "--target",
+        str(tiny_target("llama")),
+        "--out",
+        str(out),
+        *ARGS,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     state = out / "state.json"
@@ -206,14 +264,32 @@ def test_streamed_turns_equal_turn_by_turn_waves(tiny_target, tmp_path, monkeypa
     from nestling.regenerate.engine import waves
     from nestling.regenerate.hf_engine import HFEngine as Engine
 
-    rows = [{"id": f"c{i}", "conversations": [
-        {"from": "human", "value": "tell me " * (1 + 25 * (i % 3))}, {"from": "gpt", "value": "old"},
-        {"from": "human", "value": f"and then {i}?"}, {"from": "gpt", "value": "old"},
-        {"from": "human", "value": "more"}, {"from": "gpt", "value": "old"}][: 2 * (1 + i % 3)]} for i in range(7)]
+    rows = [
+        {
+            "id": f"c{i}",
+            "conversations": [
+                {"from": "human", "value": "tell me " * (1 + 25 * (i % 3))},
+                {"from": "gpt", "value": "old"},
+                {"from": "human", "value": f"and then {i}?"},
+                {"from": "gpt", "value": "old"},
+                {"from": "human", "value": "more"},
+                {"from": "gpt", "value": "old"},
+            ][: 2 * (1 + i % 3)],
+        }
+        for i in range(7)
+    ]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    s = RegenerateSettings(engine="hf", dtype="float32", max_new_tokens=40, chunk_size=100, save_token_ids=True,
-                           hf_batch_size=4, hf_batch_tokens=1024, hf_stream=True)  # 4 slots x 256 tokens: later turns outgrow it
+    s = RegenerateSettings(
+        engine="hf",
+        dtype="float32",
+        max_new_tokens=40,
+        chunk_size=100,
+        save_token_ids=True,
+        hf_batch_size=4,
+        hf_batch_tokens=1024,
+        hf_stream=True,
+    )  # 4 slots x 256 tokens: later turns outgrow it
     regenerate(src, tiny_target("llama"), tmp_path / "stream", s)
     assert "running them with a 512-token cache" in capsys.readouterr().err
     monkeypatch.setattr(Engine, "stream", lambda self, first, follow: waves(self, first, follow))

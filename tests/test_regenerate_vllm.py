@@ -29,8 +29,21 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 SRC = str(Path(nestling.__file__).resolve().parents[1])
 N_CONV, MAX_NEW, MAX_LEN, CHUNK, TURNS = 6, 16, 1024, 2, 2
-ARGS = ["--engine", "vllm", "--dtype", "float32", "--max-new-tokens", str(MAX_NEW), "--max-model-len", str(MAX_LEN),
-        "--max-turns", str(TURNS), f"chunk_size={CHUNK}", "save_token_ids=true", "vllm.enforce_eager=true"]
+ARGS = [
+    "--engine",
+    "vllm",
+    "--dtype",
+    "float32",
+    "--max-new-tokens",
+    str(MAX_NEW),
+    "--max-model-len",
+    str(MAX_LEN),
+    "--max-turns",
+    str(TURNS),
+    f"chunk_size={CHUNK}",
+    "save_token_ids=true",
+    "vllm.enforce_eager=true",
+]
 
 
 def _env() -> dict:
@@ -39,7 +52,18 @@ def _env() -> dict:
 
 
 def _cmd(data: Path, target: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "nestling", "regenerate", str(data), "--target", str(target), "--out", str(out), *ARGS]
+    return [
+        sys.executable,
+        "-m",
+        "nestling",
+        "regenerate",
+        str(data),
+        "--target",
+        str(target),
+        "--out",
+        str(out),
+        *ARGS,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +75,15 @@ def conversations(sharegpt_path, tmp_path_factory) -> Path:
             continue
         msgs, _ = plan(rec.messages, TURNS)
         if msgs and sum(len(m["content"]) for m in msgs) < 1500:
-            rows.append({"id": rec.id, "conversations": [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]),
-                                                          "value": m["content"]} for m in rec.messages]})
+            rows.append(
+                {
+                    "id": rec.id,
+                    "conversations": [
+                        {"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]), "value": m["content"]}
+                        for m in rec.messages
+                    ],
+                }
+            )
         if len(rows) == N_CONV:
             break
     path = tmp_path_factory.mktemp("regen") / "sharegpt.jsonl"
@@ -63,7 +94,9 @@ def conversations(sharegpt_path, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def uninterrupted(conversations, smollm2_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("regen") / "full"
-    res = subprocess.run(_cmd(conversations, smollm2_dir, out), env=_env(), capture_output=True, text=True, timeout=1200)
+    res = subprocess.run(
+        _cmd(conversations, smollm2_dir, out), env=_env(), capture_output=True, text=True, timeout=1200
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     return out
 
@@ -90,8 +123,14 @@ def test_vllm_greedy_equals_transformers_greedy(uninterrupted, smollm2_dir):
         for pos, got in zip(positions, row["completion_token_ids"]):
             ids = render_prompt(tok, msgs[:pos])  # the regenerated history, as the engine saw it
             with torch.inference_mode():
-                ref = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=MAX_NEW,
-                                     temperature=None, top_p=None, top_k=None)[0, len(ids):].tolist()
+                ref = model.generate(
+                    torch.tensor([ids]),
+                    do_sample=False,
+                    max_new_tokens=MAX_NEW,
+                    temperature=None,
+                    top_p=None,
+                    top_k=None,
+                )[0, len(ids) :].tolist()
             if 2 in ref:  # <|im_end|>: the end of the answer (vLLM returns it too)
                 ref = ref[: ref.index(2) + 1]
             assert got == ref, f"{row['id']} turn at {pos}: vLLM {got} != transformers {ref}"
@@ -102,8 +141,13 @@ def test_vllm_greedy_equals_transformers_greedy(uninterrupted, smollm2_dir):
 
 def test_kill_9_then_resume_equals_uninterrupted(uninterrupted, conversations, smollm2_dir, tmp_path):
     out = tmp_path / "killed"
-    p = subprocess.Popen(_cmd(conversations, smollm2_dir, out), env=_env(), start_new_session=True,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        _cmd(conversations, smollm2_dir, out),
+        env=_env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     state = out / "state.json"
     deadline = time.monotonic() + 1200
     try:
@@ -118,13 +162,17 @@ def test_kill_9_then_resume_equals_uninterrupted(uninterrupted, conversations, s
     assert 1 <= done < N_CONV // CHUNK and not (out / "manifest.json").exists()
     with open(out / "messages.jsonl", "ab") as f:  # as if killed in the middle of appending a chunk
         f.write(b'{"id": "half-writ')
-    res = subprocess.run(_cmd(conversations, smollm2_dir, out), env=_env(), capture_output=True, text=True, timeout=1200)
+    res = subprocess.run(
+        _cmd(conversations, smollm2_dir, out), env=_env(), capture_output=True, text=True, timeout=1200
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     assert "resuming: " in res.stderr
     for name in ("messages.jsonl", "failed.jsonl"):
         assert (out / name).read_bytes() == (uninterrupted / name).read_bytes()
-    assert json.loads((out / "manifest.json").read_text())["counts"] == \
-        json.loads((uninterrupted / "manifest.json").read_text())["counts"]
+    assert (
+        json.loads((out / "manifest.json").read_text())["counts"]
+        == json.loads((uninterrupted / "manifest.json").read_text())["counts"]
+    )
 
 
 def test_openai_server_equals_in_process(uninterrupted, conversations, smollm2_dir, tmp_path):
@@ -133,9 +181,29 @@ def test_openai_server_equals_in_process(uninterrupted, conversations, smollm2_d
         port = sock.getsockname()[1]
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(smollm2_dir), "--dtype", "float32",
-         "--max-model-len", str(MAX_LEN), "--enforce-eager", "--seed", "0", "--host", "127.0.0.1", "--port", str(port)],
-        env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(smollm2_dir),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(MAX_LEN),
+            "--enforce-eager",
+            "--seed",
+            "0",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        env=_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 1200
@@ -147,8 +215,16 @@ def test_openai_server_equals_in_process(uninterrupted, conversations, smollm2_d
                 break
             except OSError:
                 time.sleep(1)
-        s = RegenerateSettings(engine="openai", urls=[url], max_new_tokens=MAX_NEW, max_model_len=MAX_LEN,
-                               max_turns=TURNS, chunk_size=CHUNK, save_token_ids=True, concurrency=4)
+        s = RegenerateSettings(
+            engine="openai",
+            urls=[url],
+            max_new_tokens=MAX_NEW,
+            max_model_len=MAX_LEN,
+            max_turns=TURNS,
+            chunk_size=CHUNK,
+            save_token_ids=True,
+            concurrency=4,
+        )
         m = regenerate(conversations, smollm2_dir, tmp_path / "served", s)
     finally:
         os.killpg(server.pid, signal.SIGTERM)

@@ -43,14 +43,18 @@ REL_BOUND = {"llama": 0.55, "deepseek_v3": 0.8}
 @pytest.fixture(scope="module")
 def targets(tiny_target):
     """arch -> (dense original, W4A16 checkpoint, that checkpoint decompressed to a dense folder)."""
-    return {a: (tiny_target(a), quantized_target(tiny_target(a)), quantized_target(tiny_target(a), "dequantized"))
-            for a in ARCHS}
+    return {
+        a: (tiny_target(a), quantized_target(tiny_target(a)), quantized_target(tiny_target(a), "dequantized"))
+        for a in ARCHS
+    }
 
 
 @pytest.fixture(scope="module")
 def data_dir(smollm2_dir, tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    return make_data_dir(tmp_path_factory.mktemp("data"), tok, smollm2_dir, n_train=4, n_heldout=2, seed=3, max_words=14)
+    return make_data_dir(
+        tmp_path_factory.mktemp("data"), tok, smollm2_dir, n_train=4, n_heldout=2, seed=3, max_words=14
+    )
 
 
 def transformers_model(folder, quantized: bool):
@@ -72,8 +76,10 @@ def test_checkpoints_are_really_packed(targets):
         assert "lm_head.weight" in keys and not any(k.startswith("lm_head.weight_") for k in keys)
         assert all(k[: -len("packed")] + "scale" in keys and k[: -len("packed")] + "shape" in keys for k in packed)
         if arch == "deepseek_v3":  # MLA projections and every routed expert, one by one
-            assert {"model.layers.1.self_attn.kv_b_proj.weight_packed",
-                    "model.layers.1.mlp.experts.3.down_proj.weight_packed"} <= keys
+            assert {
+                "model.layers.1.self_attn.kv_b_proj.weight_packed",
+                "model.layers.1.mlp.experts.3.down_proj.weight_packed",
+            } <= keys
             assert "model.layers.1.mlp.gate.weight" in keys  # the router stays dense
         assert quantized_load_kwargs(w4) and not quantized_load_kwargs(targets[arch][0])
         assert head_tensor_names(w4) == head_tensor_names(targets[arch][0])  # trainer reads the dense head
@@ -112,10 +118,16 @@ def test_capture_of_quantized_target(arch, targets, data_dir, tmp_path, tiny_tar
     bound as tests/test_capture_parity.py: batching changes GEMM shapes, nothing else), and equals the
     dense decompressed folder the same way; (b) it stays within REL_BOUND of the unquantized model."""
     dense, w4, deq = targets[arch]
-    capture(data_dir, w4, tmp_path / "cap", CaptureSettings(dtype="float32", device="cpu", token_budget=60,
-                                                            progress_interval=60))
-    models = {k: transformers_model(f, k == "w4") for k, f in (("w4", w4), ("deq", deq), ("dense", dense),
-                                                               ("other", tiny_target(arch, seed=1)))}
+    capture(
+        data_dir,
+        w4,
+        tmp_path / "cap",
+        CaptureSettings(dtype="float32", device="cpu", token_budget=60, progress_interval=60),
+    )
+    models = {
+        k: transformers_model(f, k == "w4")
+        for k, f in (("w4", w4), ("deq", deq), ("dense", dense), ("other", tiny_target(arch, seed=1)))
+    }
     man = json.loads((tmp_path / "cap" / "manifest.json").read_text())
     ids, H = man["layer_ids"], man["hidden_size"]
     diff, num, den, num_other = 0.0, torch.zeros(len(ids)), torch.zeros(len(ids)), torch.zeros(len(ids))
@@ -134,14 +146,17 @@ def test_capture_of_quantized_target(arch, targets, data_dir, tmp_path, tiny_tar
             den += unq.pow(2).sum((0, 2))
             num_other += (reference(models["other"], item["input_ids"], ids)[0] - unq).pow(2).sum((0, 2))
     rel, other = (num / den).sqrt(), (num_other / den).sqrt()
-    print(f"{arch}: capture vs transformers max abs diff {diff:.3g}; relative error vs unquantized per id "
-          f"{dict(zip(ids, [round(x, 3) for x in rel.tolist()]))}, another seed's {[round(x, 3) for x in other.tolist()]}")
+    print(
+        f"{arch}: capture vs transformers max abs diff {diff:.3g}; relative error vs unquantized per id "
+        f"{dict(zip(ids, [round(x, 3) for x in rel.tolist()]))}, another seed's {[round(x, 3) for x in other.tolist()]}"
+    )
     assert (other > 1.2).all(), other
     assert (rel[1:] > 0.05).all()  # the quantization really changed the states (id 0 is the dense embedding)
     assert (rel < REL_BOUND[arch]).all(), rel
 
 
 # ---- (c) every other stage that runs the target gets it through the same loader ----------------------
+
 
 @pytest.fixture(scope="module")
 def llama(targets):
@@ -155,8 +170,9 @@ def test_online_features_run_the_quantized_target(llama, tmp_path):
     from nestling.train.settings import TrainSettings
 
     w4, _, deq_model = llama
-    data = make_data_dir(tmp_path / "data", AutoTokenizer.from_pretrained(w4), w4, n_train=2, n_heldout=1, seed=4,
-                         max_words=10)
+    data = make_data_dir(
+        tmp_path / "data", AutoTokenizer.from_pretrained(w4), w4, n_train=2, n_heldout=1, seed=4, max_words=10
+    )
     s = TrainSettings(online=True, target=str(w4), batch_tokens=64)
     inp = features.online_inputs(data, s)
     states = features.target_states(inp, s, torch.device("cpu"))
@@ -177,8 +193,11 @@ def test_reference_evaluator_runs_the_quantized_target(llama, tmp_path):
     from nestling.export.settings import ExportSettings
 
     w4, _, deq_model = llama
-    draft_dir = export(make_train_dir(new_draft(w4, [1, 3, 4], draft_vocab_size=64), tmp_path / "train"),
-                       tmp_path / "draft", ExportSettings(dtype="float32"))
+    draft_dir = export(
+        make_train_dir(new_draft(w4, [1, 3, 4], draft_vocab_size=64), tmp_path / "train"),
+        tmp_path / "draft",
+        ExportSettings(dtype="float32"),
+    )
     prompts = [[5, 6, 7, 8], list(range(200, 212))]
     res = run_reference(w4, draft_dir, prompts, EvalSettings(k=2, max_new_tokens=6, baseline=False))
     assert res["outputs"] == [target_generate(deq_model, p, 6)[0] for p in prompts]
@@ -195,9 +214,19 @@ def test_hf_regeneration_runs_the_quantized_target(llama):
     assert engine.model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
     reqs = [Request([10, 20, 30], 5, 0), Request(list(range(300, 309)), 5, 0)]
     with torch.inference_mode():
-        want = [deq_model.generate(torch.tensor([r.prompt_ids]), do_sample=False, max_new_tokens=5, temperature=None,
-                                   top_p=None, top_k=None, eos_token_id=engine.eos, pad_token_id=engine.eos[0])
-                [0, len(r.prompt_ids):].tolist() for r in reqs]
+        want = [
+            deq_model.generate(
+                torch.tensor([r.prompt_ids]),
+                do_sample=False,
+                max_new_tokens=5,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                eos_token_id=engine.eos,
+                pad_token_id=engine.eos[0],
+            )[0, len(r.prompt_ids) :].tolist()
+            for r in reqs
+        ]
     assert [c.token_ids for c in engine.generate(reqs)] == want
 
 
@@ -256,7 +285,9 @@ def test_w8a8_targets_capture_like_transformers(preset, tiny_target, data_dir, t
     ref = torch.cat([reference(q, torch.tensor(s), backend_ids)[0] for s in seqs])
     unq = torch.cat([reference(d, torch.tensor(s), backend_ids)[0] for s in seqs])
     close(got, ref, "float32")
-    rel = ((got - unq).norm(dim=(0, 2)) / unq.norm(dim=(0, 2)))
-    print(f"{preset}: capture vs transformers max abs diff {(got - ref).abs().max().item():.3g}; relative error "
-          f"vs unquantized per id {[round(x, 4) for x in rel.tolist()]}")
+    rel = (got - unq).norm(dim=(0, 2)) / unq.norm(dim=(0, 2))
+    print(
+        f"{preset}: capture vs transformers max abs diff {(got - ref).abs().max().item():.3g}; relative error "
+        f"vs unquantized per id {[round(x, 4) for x in rel.tolist()]}"
+    )
     assert (rel[1:] > 1e-3).all() and (rel < 0.2).all(), rel

@@ -9,8 +9,19 @@ import torch
 from capture_fixture import cached_capture, one_thread, run_cli  # noqa: F401
 from safetensors.torch import load_file
 
-ARGS = ["--steps", "4", "--ttt-steps", "3", "batch_tokens=48", "draft_vocab_size=100", "lr=3e-3",
-        "eval_every=2", "eval_batches=3", "log_every=1", "progress_interval=100"]
+ARGS = [
+    "--steps",
+    "4",
+    "--ttt-steps",
+    "3",
+    "batch_tokens=48",
+    "draft_vocab_size=100",
+    "lr=3e-3",
+    "eval_every=2",
+    "eval_batches=3",
+    "log_every=1",
+    "progress_interval=100",
+]
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +29,10 @@ def capture(tiny_target):
     return cached_capture(tiny_target("llama"))
 
 
-RECIPES = {"adamw": ["optimizer=adamw", "ttt_decay=0.8"], "peer": ["optimizer=muon", "hidden_noise=0.05", "freeze_lm_head=true", "ttt_decay=1.0"]}
+RECIPES = {
+    "adamw": ["optimizer=adamw", "ttt_decay=0.8"],
+    "peer": ["optimizer=muon", "hidden_noise=0.05", "freeze_lm_head=true", "ttt_decay=1.0"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +45,9 @@ def one_process(capture, tmp_path_factory):
     def get(recipe: str):
         if recipe not in runs:
             runs[recipe] = tmp_path_factory.mktemp(f"one-{recipe}") / "train"
-            assert main(["train", str(capture), "--out", str(runs[recipe]), *ARGS, *RECIPES[recipe], "grad_accum=2"]) == 0
+            assert (
+                main(["train", str(capture), "--out", str(runs[recipe]), *ARGS, *RECIPES[recipe], "grad_accum=2"]) == 0
+            )
         return runs[recipe]
 
     return get
@@ -41,8 +57,10 @@ def one_process(capture, tmp_path_factory):
 @pytest.mark.parametrize("parallel, recipe", [("ddp", "adamw"), ("fsdp", "adamw"), ("ddp", "peer"), ("fsdp", "peer")])
 def test_two_processes_equal_one_with_accumulation(capture, one_process, tmp_path, parallel, recipe):
     one, two = one_process(recipe), tmp_path / "two"
-    r = run_cli(["train", str(capture), "--out", str(two), *ARGS, *RECIPES[recipe], "grad_accum=1",
-                 f"parallel={parallel}"], torchrun=2)
+    r = run_cli(
+        ["train", str(capture), "--out", str(two), *ARGS, *RECIPES[recipe], "grad_accum=1", f"parallel={parallel}"],
+        torchrun=2,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("trained 4 steps") == 1  # rank 0 speaks for the job
     a, b = load_file(str(one / "model.safetensors")), load_file(str(two / "model.safetensors"))

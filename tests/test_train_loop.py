@@ -27,8 +27,13 @@ def capture(tiny_target, tmp_path_factory) -> Path:
 def trained(capture, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run") / "train"
     with threads(1):
-        train(capture, out, TrainSettings(steps=24, checkpoint_every=8, keep_checkpoints=2, eval_every=8, log_every=4,
-                                          ttt_decay=0.8, **TINY))  # decay != 1: the test sees the weights
+        train(
+            capture,
+            out,
+            TrainSettings(
+                steps=24, checkpoint_every=8, keep_checkpoints=2, eval_every=8, log_every=4, ttt_decay=0.8, **TINY
+            ),
+        )  # decay != 1: the test sees the weights
     return out
 
 
@@ -69,7 +74,7 @@ def test_metrics_per_step_and_simulated_acceptance(trained):
     assert [r["step"] for r in tr] == list(range(4, 25, 4)) and [r["step"] for r in ev] == [8, 16, 24]
     for r in tr + ev:
         assert {"loss_0", "loss_1", "loss_2", "acc_0", "acc_1", "acc_2"} <= set(r)
-        torch.testing.assert_close(r["loss"], sum(0.8 ** j * r[f"loss_{j}"] for j in range(3)))
+        torch.testing.assert_close(r["loss"], sum(0.8**j * r[f"loss_{j}"] for j in range(3)))
     for r in ev:
         a = [r[f"acc_{j}"] for j in range(3)]
         torch.testing.assert_close(r["sim_accept_len"], 1 + a[0] + a[0] * a[1] + a[0] * a[1] * a[2])
@@ -154,7 +159,9 @@ def test_two_layer_draft_trains_exports_and_decodes(capture, tiny_target, tmp_pa
     assert trained["layers.1.self_attn.q_proj.weight"].shape == (128, 128)
     out = export(tmp_path / "w", tmp_path / "d")
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
-    assert {"layers.0.hidden_norm.weight", "layers.1.mlp.up_proj.weight"} <= set(load_file(str(out / "model.safetensors")))
+    assert {"layers.0.hidden_norm.weight", "layers.1.mlp.up_proj.weight"} <= set(
+        load_file(str(out / "model.safetensors"))
+    )
     model = load_model(tiny_target("llama"), dtype="float32")
     draft = load_draft(out, model)
     assert draft.num_layers == 2
@@ -204,6 +211,7 @@ def test_draft_norms_that_are_off_stay_out_of_the_run_key():
 
 # ---- bad input: one clear error before any training step ---------------------------------------------
 
+
 def _fails(capture, out, match, resume=False, **kw):
     with pytest.raises(NestlingError, match=match):
         train(capture, out, TrainSettings(**{**TINY, "steps": 2, **kw}), resume=resume)
@@ -229,8 +237,10 @@ def test_shard_with_other_layer_ids(capture, tmp_path):
 
 
 def test_vocabulary_mismatch(capture, tmp_path):
-    save_file({"d2t": torch.zeros(10, dtype=torch.long), "t2d": torch.zeros(32000, dtype=torch.bool)},
-              str(tmp_path / "v.safetensors"))
+    save_file(
+        {"d2t": torch.zeros(10, dtype=torch.long), "t2d": torch.zeros(32000, dtype=torch.bool)},
+        str(tmp_path / "v.safetensors"),
+    )
     _fails(capture, tmp_path / "o", "another target", vocab=str(tmp_path / "v.safetensors"))
 
 
@@ -251,8 +261,7 @@ def test_no_supervised_tokens(capture, tmp_path):
 
 def test_resume_from_checkpoint_of_another_configuration(capture, trained, tmp_path):
     out = tmp_path / "o"
-    _fails(capture, out, "another configuration", resume=str(trained / "checkpoints" / "step-00000016"),
-           ttt_steps=2)
+    _fails(capture, out, "another configuration", resume=str(trained / "checkpoints" / "step-00000016"), ttt_steps=2)
 
 
 def test_flex_on_cpu_is_refused(capture, tmp_path):
@@ -273,8 +282,13 @@ def test_gpu_code_path_on_cpu_bf16_flex_padded(capture, tmp_path):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        m = train(capture, tmp_path / "o", TrainSettings(**{**TINY, "steps": 3, "eval_batches": 2}, dtype="bfloat16",
-                                                        attention="mask", pad_to_budget=True))
+        m = train(
+            capture,
+            tmp_path / "o",
+            TrainSettings(
+                **{**TINY, "steps": 3, "eval_batches": 2}, dtype="bfloat16", attention="mask", pad_to_budget=True
+            ),
+        )
     assert m["final_eval"]["tokens"] > 0 and m["final_train"]["loss"] > 0
     w = load_file(str(tmp_path / "o" / "model.safetensors"))
     assert w["fc.weight"].dtype == torch.float32  # fp32 master weights

@@ -17,8 +17,15 @@ from safetensors.torch import load_file
 
 from nestling.cli import main
 
-ARGS = ["--ttt-steps", "3", "batch_tokens=48", "draft_vocab_size=100", "lr=3e-3", "log_every=1",
-        "progress_interval=100"]
+ARGS = [
+    "--ttt-steps",
+    "3",
+    "batch_tokens=48",
+    "draft_vocab_size=100",
+    "lr=3e-3",
+    "log_every=1",
+    "progress_interval=100",
+]
 
 
 def make_data(out: Path, target: Path, n_train: int = 12, n_heldout: int = 4, prompt_len: int = 4) -> Path:
@@ -32,12 +39,20 @@ def make_data(out: Path, target: Path, n_train: int = 12, n_heldout: int = 4, pr
     out.mkdir(parents=True, exist_ok=True)
     splits = {}
     for split, n, seed in (("train", n_train, 0), ("heldout", n_heldout, 1000)):
-        ss = [Sample(sid, i, ids.tolist(), mask.int().tolist()) for i, (sid, ids, mask) in
-              enumerate(make_samples(n, seed, model, prompt_len=prompt_len))]
+        ss = [
+            Sample(sid, i, ids.tolist(), mask.int().tolist())
+            for i, (sid, ids, mask) in enumerate(make_samples(n, seed, model, prompt_len=prompt_len))
+        ]
         write_shard(out / f"{split}-00000.parquet", ss)
         splits[split] = {"samples": n, "tokens": sum(len(s.input_ids) for s in ss), "files": [f"{split}-00000.parquet"]}
-    write_manifest(out, "data", {}, {"tokenizer": tokenizer_fingerprint(load_tokenizer(target)), "data": ["test"]},
-                   target=str(target), splits=splits)
+    write_manifest(
+        out,
+        "data",
+        {},
+        {"tokenizer": tokenizer_fingerprint(load_tokenizer(target)), "data": ["test"]},
+        target=str(target),
+        splits=splits,
+    )
     return out
 
 
@@ -59,8 +74,17 @@ def capture_dir(data, target, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("online") / "capture"
     with threads(1):
-        capture(data, target, out, CaptureSettings(device="cpu", dtype="float32", token_budget=1,  # a forward per sample
-                                                   progress_interval=60))
+        capture(
+            data,
+            target,
+            out,
+            CaptureSettings(
+                device="cpu",
+                dtype="float32",
+                token_budget=1,  # a forward per sample
+                progress_interval=60,
+            ),
+        )
     return out
 
 
@@ -125,8 +149,24 @@ def test_online_losses_equal_offline(data, capture_dir, target, tmp_path, capsys
     # an offline checkpoint never resumes online (the key hashes the data manifest and an online marker)
     (off / "manifest.json").unlink()
     capsys.readouterr()
-    assert main(["train", str(data), "--online", "--target", str(target), "--out", str(off), "--steps", "6", *ARGS,
-                 "--resume"]) == 1
+    assert (
+        main(
+            [
+                "train",
+                str(data),
+                "--online",
+                "--target",
+                str(target),
+                "--out",
+                str(off),
+                "--steps",
+                "6",
+                *ARGS,
+                "--resume",
+            ]
+        )
+        == 1
+    )
     assert "checkpoint" in capsys.readouterr().err
 
 
@@ -204,10 +244,12 @@ def test_pipeline_auto_picks_a_mode_and_says_why(tiny_target, sharegpt_path, tmp
 
     monkeypatch.setattr(stages, "_vllm_installed", lambda: False)  # the reference decoder keeps it short
     cfg = tmp_path / "run.yaml"
-    cfg.write_text(f"target: {target}\ninputs: [{sharegpt_path}]\nrun_dir: {tmp_path / 'run'}\n"
-                   "data: {max_length: 128, held_out: 0.1}\n"
-                   "train: {device: cpu, batch_tokens: 256, ttt_steps: 2, draft_vocab_size: 256}\n"
-                   "eval: {engine: reference, device: cpu}\n")
+    cfg.write_text(
+        f"target: {target}\ninputs: [{sharegpt_path}]\nrun_dir: {tmp_path / 'run'}\n"
+        "data: {max_length: 128, held_out: 0.1}\n"
+        "train: {device: cpu, batch_tokens: 256, ttt_steps: 2, draft_vocab_size: 256}\n"
+        "eval: {engine: reference, device: cpu}\n"
+    )
     assert main(["run", str(cfg), "--dry-run"]) == 0, capsys.readouterr()
     cap = capsys.readouterr()
     out = cap.out + cap.err
@@ -237,6 +279,7 @@ def test_online_heldout_data_replaces_the_heldout_split(data, target, tmp_path, 
     trains = [[(r["step"], r["loss"]) for r in _records(o) if r["split"] == "train"] for o in (own, other)]
     assert trains[0] == trains[1]
     capsys.readouterr()
-    assert main(["train", str(data), "--out", str(tmp_path / "off"), "--steps", "2", *ARGS,
-                 f"heldout_data={data}"]) == 1  # offline: refused with a message
+    assert (
+        main(["train", str(data), "--out", str(tmp_path / "off"), "--steps", "2", *ARGS, f"heldout_data={data}"]) == 1
+    )  # offline: refused with a message
     assert "online" in capsys.readouterr().err

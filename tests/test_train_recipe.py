@@ -63,18 +63,30 @@ def test_muon_splits_hidden_matrices_trains_and_saves_both_states(capture, tmp_p
     from nestling.draft.model import DraftConfig, Eagle3Draft
     from nestling.train.optim import muon_split
 
-    cfg = DraftConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
-                      head_dim=8, vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 2, 3], num_target_layers=4)
+    cfg = DraftConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=50,
+        draft_vocab_size=20,
+        aux_layer_ids=[1, 2, 3],
+        num_target_layers=4,
+    )
     d = Eagle3Draft(cfg)
     named = list(d.named_parameters())
     muon, adamw = muon_split(named)
     name = {id(p): n for n, p in named}
     assert sorted(name[id(p)] for p in muon) == sorted(
-        ["fc.weight"] + [f"midlayer.self_attn.{x}_proj.weight" for x in "qkvo"]
-        + [f"midlayer.mlp.{x}_proj.weight" for x in ("gate", "up", "down")])
+        ["fc.weight"]
+        + [f"midlayer.self_attn.{x}_proj.weight" for x in "qkvo"]
+        + [f"midlayer.mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+    )
     assert sorted(name[id(p)] for p in adamw) == sorted(
-        ["lm_head.weight", "norm.weight"] + [f"midlayer.{n}.weight" for n in
-                                              ("input_layernorm", "hidden_norm", "post_attention_layernorm")])
+        ["lm_head.weight", "norm.weight"]
+        + [f"midlayer.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")]
+    )
 
     m = train(capture, tmp_path / "m", TrainSettings(steps=16, optimizer="muon", eval_every=0, eval_batches=0, **TINY))
     recs = [json.loads(x) for x in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
@@ -87,27 +99,44 @@ def test_muon_splits_hidden_matrices_trains_and_saves_both_states(capture, tmp_p
     assert all("exp_avg_sq" in v for v in st["adamw"]["state"].values())
 
 
-@pytest.mark.parametrize("norms", [{}, {"draft_fc_norm": True, "draft_norm_output": True,
-                                        "draft_norm_before_residual": True}], ids=["plain", "draft_norms"])
+@pytest.mark.parametrize(
+    "norms",
+    [{}, {"draft_fc_norm": True, "draft_norm_output": True, "draft_norm_before_residual": True}],
+    ids=["plain", "draft_norms"],
+)
 def test_resume_is_exact_with_muon_noise_and_a_frozen_head(capture, tmp_path, norms):
     """A run resumed from its step-4 checkpoint ends bit for bit where the straight run does: both
     optimizers' states and the schedule come back, and the noise is a function of (seed, microbatch).
     With the draft norms on too (their weights, fc_norm.*, are in the checkpoint)."""
-    s = TrainSettings(steps=8, optimizer="muon", hidden_noise=0.05, freeze_lm_head=True, checkpoint_every=4,
-                      eval_every=4, eval_batches=1, **TINY, **norms)
+    s = TrainSettings(
+        steps=8,
+        optimizer="muon",
+        hidden_noise=0.05,
+        freeze_lm_head=True,
+        checkpoint_every=4,
+        eval_every=4,
+        eval_batches=1,
+        **TINY,
+        **norms,
+    )
     straight = tmp_path / "straight"
     train(capture, straight, s)
     resumed = tmp_path / "resumed"  # a new folder, resumed from the straight run's checkpoint (--resume-from)
     train(capture, resumed, s, resume=straight / "checkpoints" / "step-00000004")
     assert_same_weights(straight, resumed)
     assert ("fc_norm.2.weight" in load_file(str(straight / "model.safetensors"))) == bool(norms)
-    sa, sb = (torch.load(p / "checkpoints" / "step-00000008" / "optimizer.pt", weights_only=True)
-              for p in (straight, resumed))
+    sa, sb = (
+        torch.load(p / "checkpoints" / "step-00000008" / "optimizer.pt", weights_only=True) for p in (straight, resumed)
+    )
     for part in ("muon", "adamw"):
         for i, v in sa[part]["state"].items():
             assert all(torch.equal(v[k], sb[part]["state"][i][k]) for k in v if torch.is_tensor(v[k]))
-    losses = lambda p: [(r["step"], r["split"], r["loss"]) for r in  # noqa: E731
-                        map(json.loads, (p / "metrics.jsonl").read_text().splitlines())]
+
+    def losses(p):
+        return [
+            (r["step"], r["split"], r["loss"]) for r in map(json.loads, (p / "metrics.jsonl").read_text().splitlines())
+        ]
+
     assert [x for x in losses(straight) if x[0] > 4] == losses(resumed)  # (metrics.jsonl was not copied)
 
 
@@ -154,10 +183,18 @@ def test_default_lr_rule_and_log(capture, tmp_path, capsys):
     assert "lr 0.002 (default for hidden size 128" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(optimizer="sgd"), "optimizer"), (dict(hidden_noise=-0.1), "hidden_noise"), (dict(lr=0.0), "lr must"),
-    (dict(muon_lr=-1.0), "muon_lr"), (dict(ttt_decay=0.0), "ttt_decay"), (dict(muon_momentum=1.0), "muon_momentum"),
-    (dict(freeze_lm_head=True, lm_head_init="random"), "lm_head_init=target")])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(optimizer="sgd"), "optimizer"),
+        (dict(hidden_noise=-0.1), "hidden_noise"),
+        (dict(lr=0.0), "lr must"),
+        (dict(muon_lr=-1.0), "muon_lr"),
+        (dict(ttt_decay=0.0), "ttt_decay"),
+        (dict(muon_momentum=1.0), "muon_momentum"),
+        (dict(freeze_lm_head=True, lm_head_init="random"), "lm_head_init=target"),
+    ],
+)
 def test_bad_recipe_settings(kw, match):
     from nestling.config import from_dict
 

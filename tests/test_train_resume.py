@@ -8,8 +8,19 @@ import pytest
 import torch
 from capture_fixture import assert_same_weights, cached_capture, one_thread, run_cli, train_killed_at  # noqa: F401
 
-ARGS = ["--steps", "12", "--ttt-steps", "3", "batch_tokens=64", "draft_vocab_size=100", "lr=3e-3",
-        "checkpoint_every=4", "eval_every=4", "log_every=1", "progress_interval=100"]
+ARGS = [
+    "--steps",
+    "12",
+    "--ttt-steps",
+    "3",
+    "batch_tokens=64",
+    "draft_vocab_size=100",
+    "lr=3e-3",
+    "checkpoint_every=4",
+    "eval_every=4",
+    "log_every=1",
+    "progress_interval=100",
+]
 
 
 @pytest.fixture(scope="module")

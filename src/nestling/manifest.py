@@ -88,10 +88,14 @@ def read_manifest(stage_dir: Path, stage: str | None = None) -> dict:
     path = Path(stage_dir) / MANIFEST
     if not path.exists():
         what = f"a complete '{stage}' output" if stage else "a nestling output folder"
-        raise NestlingError(f"{stage_dir} is not {what}: {MANIFEST} is missing (was the stage interrupted? run it again).")
+        raise NestlingError(
+            f"{stage_dir} is not {what}: {MANIFEST} is missing (was the stage interrupted? run it again)."
+        )
     manifest = json.loads(path.read_text())
     if stage and manifest.get("stage") != stage:
         raise NestlingError(f"{stage_dir} holds output of stage '{manifest.get('stage')}', expected '{stage}'.")
     if manifest.get("format_version", 0) > FORMAT_VERSION:
-        raise NestlingError(f"{stage_dir} was written by a newer nestling (format {manifest['format_version']}); upgrade nestling.")
+        raise NestlingError(
+            f"{stage_dir} was written by a newer nestling (format {manifest['format_version']}); upgrade nestling."
+        )
     return manifest

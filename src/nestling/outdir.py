@@ -38,36 +38,65 @@ COMMON = (MANIFEST, MARKER, LOCK, "progress.json", f".{MANIFEST}.*.tmp", f".{MAR
 OWNS: dict[str, tuple[str, ...]] = {
     "regenerate": ("messages.jsonl", "failed.jsonl", "state.json", ".state.json.*.tmp"),
     "data": ("train-*.parquet", "heldout-*.parquet", ".train-*.parquet.tmp", ".heldout-*.parquet.tmp"),
-    "capture": tuple(f"{split}/{name}" for split in ("train", "heldout") for name in (
-        "shard-*.safetensors", ".shard-*.safetensors.tmp", "index.json", ".index.json.*.tmp",
-        "checksums.jsonl", ".checksums.jsonl.*.tmp")),
-    "train": ("draft_config.json", "vocab.safetensors", ".vocab.safetensors.tmp", "model.safetensors",
-              ".model.safetensors.tmp", "metrics.jsonl", "plot.png", ".plot.png.tmp.png",
-              "checkpoints/step-*", "checkpoints/.tmp-step-*", "tensorboard/events.out.tfevents.*"),
+    "capture": tuple(
+        f"{split}/{name}"
+        for split in ("train", "heldout")
+        for name in (
+            "shard-*.safetensors",
+            ".shard-*.safetensors.tmp",
+            "index.json",
+            ".index.json.*.tmp",
+            "checksums.jsonl",
+            ".checksums.jsonl.*.tmp",
+        )
+    ),
+    "train": (
+        "draft_config.json",
+        "vocab.safetensors",
+        ".vocab.safetensors.tmp",
+        "model.safetensors",
+        ".model.safetensors.tmp",
+        "metrics.jsonl",
+        "plot.png",
+        ".plot.png.tmp.png",
+        "checkpoints/step-*",
+        "checkpoints/.tmp-step-*",
+        "tensorboard/events.out.tfevents.*",
+    ),
     "export": ("config.json", "model.safetensors", ".export-build-*"),
     "eval": ("report.json", ".report.json.*.tmp", "report.md", "acceptance.png"),
     # the run folder's own files (its stage folders are each their stage's); the dry run's scratch too
-    "run": (RUN_FILE, f".{RUN_FILE}.*.tmp", "run.log", "state/*.json", "state/.*.tmp", "prompts.jsonl",
-            "estimate.json", ".estimate.json.*.tmp"),
+    "run": (
+        RUN_FILE,
+        f".{RUN_FILE}.*.tmp",
+        "run.log",
+        "state/*.json",
+        "state/.*.tmp",
+        "prompts.jsonl",
+        "estimate.json",
+        ".estimate.json.*.tmp",
+    ),
 }
 
 
 # ---- where --out may be ------------------------------------------------------------------------
+
 
 def check_apart(out: Path, inputs: Inputs, flag: str = "--out") -> None:
     """Refuse an output folder that is an input, lies inside one or contains one.
 
     `inputs` names what each input is ("data folder", "target") and its path; None paths are skipped."""
     o = Path(out).resolve()
-    for what, path in (inputs.items() if isinstance(inputs, Mapping) else inputs):
+    for what, path in inputs.items() if isinstance(inputs, Mapping) else inputs:
         if path is None or not Path(path).exists():
             continue
         p = Path(path).resolve()
-        relation = ("is" if o == p else "lies inside" if p in o.parents else "contains" if o in p.parents else None)
+        relation = "is" if o == p else "lies inside" if p in o.parents else "contains" if o in p.parents else None
         if relation:
             raise NestlingError(
                 f"{flag} {out} {relation} the {what} {path}: writing there could overwrite or delete an input. "
-                f"Choose an {flag} folder apart from the stage's inputs (e.g. a new folder beside them).")
+                f"Choose an {flag} folder apart from the stage's inputs (e.g. a new folder beside them)."
+            )
 
 
 def owner(folder: Path) -> str | None:
@@ -97,13 +126,19 @@ def check_ours(out: Path, stage: str, flag: str = "--out", fix: str | None = Non
         return
     names = sorted(p.name for p in out.iterdir())
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    what = (f"holds the output of `nestling {found}`, not of `nestling {stage}`" if found else
-            "is not empty and was not written by nestling")
-    raise NestlingError(f"{flag} {out} {what} (it holds {shown}). nestling never writes over or deletes files it "
-                        f"did not write: {fix or f'give an empty or new {flag} folder'}.")
+    what = (
+        f"holds the output of `nestling {found}`, not of `nestling {stage}`"
+        if found
+        else "is not empty and was not written by nestling"
+    )
+    raise NestlingError(
+        f"{flag} {out} {what} (it holds {shown}). nestling never writes over or deletes files it "
+        f"did not write: {fix or f'give an empty or new {flag} folder'}."
+    )
 
 
 # ---- claiming, marking, locking ------------------------------------------------------------------
+
 
 def mark(out: Path, stage: str) -> None:
     """Record that `out` is `stage`'s folder (after `check_ours`)."""
@@ -169,6 +204,7 @@ def claim(out: str | Path, stage: str, inputs: Inputs = ()) -> Iterator[Path]:
 
 # ---- deleting only what a stage wrote ------------------------------------------------------------
 
+
 def owned(folder: Path, stage: str, patterns: tuple[str, ...] | None = None) -> list[Path]:
     """The paths in `folder` that `stage` wrote: none unless the folder is the stage's."""
     folder = Path(folder)
@@ -178,8 +214,9 @@ def owned(folder: Path, stage: str, patterns: tuple[str, ...] | None = None) -> 
     return sorted({p for pat in pats for p in folder.glob(pat)})
 
 
-def remove_owned(folder: Path, stage: str, patterns: tuple[str, ...] | None = None, flag: str = "--out",
-                 fix: str | None = None) -> None:
+def remove_owned(
+    folder: Path, stage: str, patterns: tuple[str, ...] | None = None, flag: str = "--out", fix: str | None = None
+) -> None:
     """Delete what `stage` wrote in `folder` (the manifest first, so a crash leaves it incomplete) and
     the stage's subfolders left empty; the folder itself (marker and lock included) only when nothing
     else is left in it. Refuses a folder that is not the stage's."""

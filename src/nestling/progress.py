@@ -105,10 +105,17 @@ class Progress:
         log(" ".join(parts), self.stream)
         if self.state_file is not None:
             state = {
-                "stage": self.desc, "done": self.done, "total": self.total, "unit": self.unit,
-                "rate": self.rate(), "tokens": self.tokens, "tokens_per_s": self.token_rate(),
-                "elapsed_s": elapsed, "eta_s": None if not self.total else self.eta(),
-                "updated": time.time(), **{k: v for k, v in self.extra.items() if isinstance(v, (int, float, str))},
+                "stage": self.desc,
+                "done": self.done,
+                "total": self.total,
+                "unit": self.unit,
+                "rate": self.rate(),
+                "tokens": self.tokens,
+                "tokens_per_s": self.token_rate(),
+                "elapsed_s": elapsed,
+                "eta_s": None if not self.total else self.eta(),
+                "updated": time.time(),
+                **{k: v for k, v in self.extra.items() if isinstance(v, (int, float, str))},
             }
             self.state_file = Path(self.state_file)
             self.state_file.parent.mkdir(parents=True, exist_ok=True)

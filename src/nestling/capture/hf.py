@@ -42,8 +42,13 @@ class HFBackend(Backend):
         self.dtype = getattr(torch, dtype)
         if model is None:
             device = settings.device if not settings.device_map else "cpu"
-            model = load_model(target, dtype=dtype, device=device, device_map=settings.device_map,
-                               tp_size=settings.tensor_parallel_size)
+            model = load_model(
+                target,
+                dtype=dtype,
+                device=device,
+                device_map=settings.device_map,
+                tp_size=settings.tensor_parallel_size,
+            )
         self.model = model
         self.base = base_model(model)
         self.hidden_size = int(self.base.config.hidden_size)
@@ -69,11 +74,13 @@ class HFBackend(Backend):
             self._store(j, args[0] if args else kwargs["hidden_states"])
             if stop:
                 raise _Stop
+
         return hook
 
     def _post_hook(self, j: int):
         def hook(module, args, output):
             self._store(j, output[0] if isinstance(output, tuple) else output)
+
         return hook
 
     def to_device(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,7 +103,9 @@ class HFBackend(Backend):
             mask[i, : len(s)] = 1
         ids, idx, dev_mask = (self.to_device(x) for x in (ids, mask.flatten().nonzero().squeeze(1), mask))
         self._idx = idx
-        self._out = torch.empty(sum(lengths), len(self.layer_ids), self.hidden_size, dtype=self.dtype, device=self.device)
+        self._out = torch.empty(
+            sum(lengths), len(self.layer_ids), self.hidden_size, dtype=self.dtype, device=self.device
+        )
         attn = None if min(lengths) == T else dev_mask
         try:
             self.base(input_ids=ids, attention_mask=attn, use_cache=False)

@@ -16,8 +16,20 @@ import torch
 from nestling.capture import tp
 from nestling.capture.backend import make_backend
 from nestling.capture.settings import CaptureSettings, compute_dtype, parse_size, resolve
-from nestling.capture.store import (FP8, ShardPlan, ShardWriter, batches, bytes_per_token, finish_checksums,
-                                    plan_shards, quantize_fp8, shard_key, shard_name, store_dtype, write_index)
+from nestling.capture.store import (
+    FP8,
+    ShardPlan,
+    ShardWriter,
+    batches,
+    bytes_per_token,
+    finish_checksums,
+    plan_shards,
+    quantize_fp8,
+    shard_key,
+    shard_name,
+    store_dtype,
+    write_index,
+)
 from nestling.config import to_dict
 from nestling.data.dataset import SPLITS, Sample, load_samples, split_files
 from nestling import outdir
@@ -25,15 +37,22 @@ from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, hash_json, read_manifest, write_manifest
 from nestling.progress import Progress, format_bytes, log
 from nestling.targets.layers import default_capture_layers, num_layers, validate_layer_ids
-from nestling.targets.load import (TOKENIZER_FINGERPRINT_VERSION, load_config, load_tokenizer, require_safetensors,
-                                  resolve_target, target_fingerprint, tokenizer_fingerprint)
+from nestling.targets.load import (
+    TOKENIZER_FINGERPRINT_VERSION,
+    load_config,
+    load_tokenizer,
+    require_safetensors,
+    resolve_target,
+    target_fingerprint,
+    tokenizer_fingerprint,
+)
 
 # Settings that change the bytes of the store (device does not: it changes speed, not meaning).
 # How each backend arrives at the one stored meaning of the final state (HF hidden_states[L]).
 FINAL_STATE_SOURCE = {
     "hf": "transformers: output of the target's final norm (HF hidden_states[L])",
     "vllm": "vLLM extract_hidden_states id L (last layer output before the final norm) with the target's "
-            "final norm (model.norm.weight) applied by nestling's KV connector",
+    "final norm (model.norm.weight) applied by nestling's KV connector",
 }
 RESULT_KEYS = ("backend", "layers", "dtype", "token_budget", "shard_size")
 
@@ -93,14 +112,22 @@ def check_data_tokenizer(data_dir: Path, manifest: dict, tok_fp: str) -> None:
         raise NestlingError(
             f"{data_dir} was tokenized with another tokenizer (fingerprint {data_tok}) than the target's ({tok_fp}); "
             f"its token ids would mean different text. Run `nestling data` again with this --target."
-            + (" (It was made by an older nestling whose tokenizer fingerprint covered the vocabulary only; "
-               "`nestling data` redoes it.)" if older else "")
+            + (
+                " (It was made by an older nestling whose tokenizer fingerprint covered the vocabulary only; "
+                "`nestling data` redoes it.)"
+                if older
+                else ""
+            )
         )
 
 
-def _load_data(data_dir: Path, tok_fp: str, vocab_size: int, max_pos: int | None) -> tuple[dict, dict[str, list[Sample]]]:
+def _load_data(
+    data_dir: Path, tok_fp: str, vocab_size: int, max_pos: int | None
+) -> tuple[dict, dict[str, list[Sample]]]:
     if not data_dir.exists():
-        raise NestlingError(f"data folder {data_dir} does not exist; create it with `nestling data INPUT --target MODEL --out {data_dir}`")
+        raise NestlingError(
+            f"data folder {data_dir} does not exist; create it with `nestling data INPUT --target MODEL --out {data_dir}`"
+        )
     manifest = read_manifest(data_dir, "data")
     check_data_tokenizer(data_dir, manifest, tok_fp)
     out: dict[str, list[Sample]] = {}
@@ -110,13 +137,18 @@ def _load_data(data_dir: Path, tok_fp: str, vocab_size: int, max_pos: int | None
         samples = load_samples(data_dir, split)
         for s in samples:
             if not s.input_ids or len(s.input_ids) != len(s.loss_mask):
-                raise NestlingError(f"{data_dir}: sample {s.sample_id} is empty or its loss_mask length differs from its input_ids")
+                raise NestlingError(
+                    f"{data_dir}: sample {s.sample_id} is empty or its loss_mask length differs from its input_ids"
+                )
             if max(s.input_ids) >= vocab_size or min(s.input_ids) < 0:
-                raise NestlingError(f"{data_dir}: sample {s.sample_id} holds token ids outside the target's vocabulary (size {vocab_size})")
+                raise NestlingError(
+                    f"{data_dir}: sample {s.sample_id} holds token ids outside the target's vocabulary (size {vocab_size})"
+                )
             if max_pos and len(s.input_ids) > max_pos:
                 raise NestlingError(
                     f"{data_dir}: sample {s.sample_id} has {len(s.input_ids)} tokens, more than the target's "
-                    f"max_position_embeddings {max_pos}; run `nestling data` with --max-length {max_pos}")
+                    f"max_position_embeddings {max_pos}; run `nestling data` with --max-length {max_pos}"
+                )
         if samples:
             out[split] = samples
     if not out:
@@ -146,7 +178,9 @@ def capture(data_dir: str | Path, target: str | Path, out: str | Path, settings:
 def _capture_here(data_dir: str | Path, target: str | Path, out: str | Path, settings: CaptureSettings) -> dict:
     data_dir, out = Path(data_dir), Path(out)
     if not data_dir.exists():  # cheapest check first: before the target is even resolved
-        raise NestlingError(f"data folder {data_dir} does not exist; create it with `nestling data INPUT --target MODEL --out {data_dir}`")
+        raise NestlingError(
+            f"data folder {data_dir} does not exist; create it with `nestling data INPUT --target MODEL --out {data_dir}`"
+        )
     target_dir = resolve_target(target)
     require_safetensors(target_dir)  # before transformers or vLLM could unpickle a .bin
     inputs = [("data folder", data_dir), ("target", target_dir), ("target", target)]
@@ -197,12 +231,16 @@ def _capture(data_dir: Path, target_dir: Path, out: Path, settings: CaptureSetti
     n_tok = sum(len(s.input_ids) for ss in splits.values() for s in ss)
     todo_tok = sum(p.tokens for ps in todo.values() for p in ps)
     need, free = todo_tok * bpt, outdir.free_bytes(out)
-    log(f"[capture] layers {layer_ids} of {L}, {settings.dtype}, hidden {hidden_size}: {format_bytes(bpt)}/token; "
+    log(
+        f"[capture] layers {layer_ids} of {L}, {settings.dtype}, hidden {hidden_size}: {format_bytes(bpt)}/token; "
         f"{n_tok:,} tokens in {', '.join(f'{k} {len(v)}' for k, v in splits.items())} samples = {format_bytes(n_tok * bpt)}; "
-        f"to write now {format_bytes(need)} ({todo_tok:,} tokens), free on {out}: {format_bytes(free)}")
+        f"to write now {format_bytes(need)} ({todo_tok:,} tokens), free on {out}: {format_bytes(free)}"
+    )
     if need > free:
-        msg = (f"not enough disk space for the capture: it needs {format_bytes(need)} but {out} has {format_bytes(free)} free. "
-               f"Free space, point --out at a larger disk, capture fewer samples or layers, or pass --ignore-disk-check.")
+        msg = (
+            f"not enough disk space for the capture: it needs {format_bytes(need)} but {out} has {format_bytes(free)} free. "
+            f"Free space, point --out at a larger disk, capture fewer samples or layers, or pass --ignore-disk-check."
+        )
         if not settings.ignore_disk_check:
             raise NestlingError(msg)
         log(f"[capture] warning: {msg} (continuing: --ignore-disk-check)")
@@ -213,19 +251,44 @@ def _capture(data_dir: Path, target_dir: Path, out: Path, settings: CaptureSetti
     for split, samples in splits.items():
         finish_checksums(out / split, plans[split])
         write_index(out / split, samples, plans[split])
-        stats[split] = {"samples": len(samples), "tokens": sum(len(s.input_ids) for s in samples),
-                        "supervised_tokens": sum(sum(s.loss_mask) for s in samples), "shards": len(plans[split])}
+        stats[split] = {
+            "samples": len(samples),
+            "tokens": sum(len(s.input_ids) for s in samples),
+            "supervised_tokens": sum(sum(s.loss_mask) for s in samples),
+            "shards": len(plans[split]),
+        }
     return write_manifest(
-        out, "capture", to_dict(settings), inputs,
-        run_key=run_key, layer_ids=layer_ids, aux_layer_ids=layer_ids[:-1], final_state="post_norm",
+        out,
+        "capture",
+        to_dict(settings),
+        inputs,
+        run_key=run_key,
+        layer_ids=layer_ids,
+        aux_layer_ids=layer_ids[:-1],
+        final_state="post_norm",
         final_state_source=FINAL_STATE_SOURCE[settings.backend],
-        dtype=settings.dtype, compute_dtype=compute_dtype(settings), hidden_size=hidden_size, num_layers=L, vocab_size=vocab_size,
-        bytes_per_token=bpt, target=str(target_dir), data_dir=str(data_dir.resolve()), splits=stats,
+        dtype=settings.dtype,
+        compute_dtype=compute_dtype(settings),
+        hidden_size=hidden_size,
+        num_layers=L,
+        vocab_size=vocab_size,
+        bytes_per_token=bpt,
+        target=str(target_dir),
+        data_dir=str(data_dir.resolve()),
+        splits=stats,
     )
 
 
-def _run(todo: dict[str, list[ShardPlan]], target_dir: Path, layer_ids: list[int], hidden_size: int,
-         dtype: torch.dtype, out: Path, settings: CaptureSettings, run_key: str) -> None:
+def _run(
+    todo: dict[str, list[ShardPlan]],
+    target_dir: Path,
+    layer_ids: list[int],
+    hidden_size: int,
+    dtype: torch.dtype,
+    out: Path,
+    settings: CaptureSettings,
+    run_key: str,
+) -> None:
     if settings.max_model_len is None:  # an engine that sizes itself up front (vllm) needs the longest sample
         longest = max(len(s.input_ids) for plans in todo.values() for p in plans for s in p.samples)
         settings = replace(settings, max_model_len=longest)
@@ -238,16 +301,24 @@ def _run(todo: dict[str, list[ShardPlan]], target_dir: Path, layer_ids: list[int
     try:
         if backend.hidden_size != hidden_size:
             raise NestlingError(f"backend reports hidden size {backend.hidden_size}, config says {hidden_size}")
-        log(f"[capture] backend {settings.backend} on {backend.device}"
-            + (f", tensor parallel over {settings.tensor_parallel_size} ranks" if tp.enabled(settings) else ""))
+        log(
+            f"[capture] backend {settings.backend} on {backend.device}"
+            + (f", tensor parallel over {settings.tensor_parallel_size} ranks" if tp.enabled(settings) else "")
+        )
         meta = {"layer_ids": ",".join(map(str, layer_ids)), "dtype": settings.dtype, "run_key": run_key}
         write_shards(todo, backend, out, settings, meta, dtype)
     finally:
         backend.close()
 
 
-def write_shards(todo: dict[str, list[ShardPlan]], backend, out: Path, settings: CaptureSettings, meta: dict,
-                 dtype: torch.dtype | None = None) -> int:
+def write_shards(
+    todo: dict[str, list[ShardPlan]],
+    backend,
+    out: Path,
+    settings: CaptureSettings,
+    meta: dict,
+    dtype: torch.dtype | None = None,
+) -> int:
     """Run the planned shards through `backend` into `out/{split}/`, stored as `dtype` (default: the
     backend's); returns bytes written. The forward of batch i+1 runs while the writer thread copies and
     writes batch i. float8 is quantized where the states are (the GPU), so half the bytes cross to the host."""
@@ -257,12 +328,21 @@ def write_shards(todo: dict[str, list[ShardPlan]], backend, out: Path, settings:
     fp8 = dtype == FP8
     try:
         for split, plans in todo.items():
-            prog = Progress(f"capture {split}", total=sum(len(p.samples) for p in plans), unit="samples",
-                            interval=settings.progress_interval)
+            prog = Progress(
+                f"capture {split}",
+                total=sum(len(p.samples) for p in plans),
+                unit="samples",
+                interval=settings.progress_interval,
+            )
             for plan in plans:
                 if getattr(backend, "writes_shards", False) and not fp8:  # the engine fills the shard file (vllm)
-                    backend.write_shard(out / split / shard_name(plan.index), plan, meta, settings.token_budget,
-                                        lambda b, prog=prog: prog.update(len(b), tokens=sum(len(s.input_ids) for s in b)))
+                    backend.write_shard(
+                        out / split / shard_name(plan.index),
+                        plan,
+                        meta,
+                        settings.token_budget,
+                        lambda b, prog=prog: prog.update(len(b), tokens=sum(len(s.input_ids) for s in b)),
+                    )
                     continue
                 writer.begin(out / split / shard_name(plan.index), plan, n_ids, H, dtype, meta)
                 for batch in batches(plan.samples, settings.token_budget):
@@ -271,8 +351,11 @@ def write_shards(todo: dict[str, list[ShardPlan]], backend, out: Path, settings:
                         hidden, scale = quantize_fp8(hidden)
                         writer.write_scale(*_to_host(scale))
                     writer.write(*_to_host(hidden))
-                    prog.update(len(batch), tokens=sum(len(s.input_ids) for s in batch),
-                                written=format_bytes(writer.bytes_written))
+                    prog.update(
+                        len(batch),
+                        tokens=sum(len(s.input_ids) for s in batch),
+                        written=format_bytes(writer.bytes_written),
+                    )
                 writer.end()
             prog.close()
         writer.close()

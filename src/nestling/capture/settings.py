@@ -50,7 +50,8 @@ class CaptureSettings:
         if self.layers is not None and len(self.layers) < 2:
             raise NestlingError(
                 f"layers {list(self.layers)} name no aux layer: give the aux layer ids followed by the final state "
-                "L (e.g. --layers 2,15,27,30 for a 30-layer target), or leave --layers out for the default")
+                "L (e.g. --layers 2,15,27,30 for a 30-layer target), or leave --layers out for the default"
+            )
 
 
 def resolve(settings: CaptureSettings) -> CaptureSettings:
@@ -77,8 +78,22 @@ def compute_dtype(settings: CaptureSettings, device: str | None = None) -> str:
     return "bfloat16" if device.startswith("cuda") or settings.device_map else "float32"
 
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
 
 
 def parse_size(size: str | int) -> int:

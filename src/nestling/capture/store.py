@@ -29,8 +29,14 @@ from nestling.data.dataset import Sample
 from nestling.errors import NestlingError
 from nestling.manifest import atomic_write_bytes, atomic_write_json, hash_json
 
-ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32", torch.uint8: "U8",
-             torch.float8_e4m3fn: "F8_E4M3"}
+ST_DTYPES = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.float8_e4m3fn: "F8_E4M3",
+}
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
@@ -49,11 +55,11 @@ def quantize_fp8(h: torch.Tensor, chunk: int = 2048) -> tuple[torch.Tensor, torc
     q = torch.empty(h.shape, dtype=FP8, device=h.device)
     scale = torch.empty(h.shape[:-1], dtype=torch.float32, device=h.device)
     for a in range(0, max(h.shape[0], 1), chunk):
-        x = h[a:a + chunk].float()
+        x = h[a : a + chunk].float()
         amax = x.abs().amax(-1)
         s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        q[a:a + chunk] = (x / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        scale[a:a + chunk] = s
+        q[a : a + chunk] = (x / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        scale[a : a + chunk] = s
     return q, scale
 
 
@@ -102,8 +108,10 @@ def plan_shards(samples: list[Sample], bpt: int, shard_bytes: int, run_key: str)
             size = 0
         groups[-1].append(samples[i])
         size += b
-    return [ShardPlan(k, g, hash_json([run_key, k, [(s.sample_id, len(s.input_ids)) for s in g]]))
-            for k, g in enumerate(groups)]
+    return [
+        ShardPlan(k, g, hash_json([run_key, k, [(s.sample_id, len(s.input_ids)) for s in g]]))
+        for k, g in enumerate(groups)
+    ]
 
 
 def batches(samples: list[Sample], token_budget: int) -> list[list[Sample]]:
@@ -125,8 +133,10 @@ def _header(plan: ShardPlan, n_ids: int, hidden_size: int, dtype: torch.dtype, m
     """hidden, then (float8 only) hidden_scale, input_ids, loss_mask: in that order in the data."""
     T = plan.tokens
     nh = T * n_ids * hidden_size * dtype.itemsize
-    head = {"__metadata__": {k: str(v) for k, v in meta.items()},
-            "hidden": {"dtype": ST_DTYPES[dtype], "shape": [T, n_ids, hidden_size], "data_offsets": [0, nh]}}
+    head = {
+        "__metadata__": {k: str(v) for k, v in meta.items()},
+        "hidden": {"dtype": ST_DTYPES[dtype], "shape": [T, n_ids, hidden_size], "data_offsets": [0, nh]},
+    }
     if dtype == FP8:
         head["hidden_scale"] = {"dtype": "F32", "shape": [T, n_ids], "data_offsets": [nh, nh + 4 * T * n_ids]}
         nh += 4 * T * n_ids
@@ -352,8 +362,15 @@ def write_index(split_dir: Path, samples: list[Sample], plans: list[ShardPlan]) 
         for s in p.samples:
             where[s.sample_id] = (shard_name(p.index), off)
             off += len(s.input_ids)
-    index = [{"sample_id": s.sample_id, "shard": where[s.sample_id][0], "offset": where[s.sample_id][1],
-              "length": len(s.input_ids)} for s in samples]
+    index = [
+        {
+            "sample_id": s.sample_id,
+            "shard": where[s.sample_id][0],
+            "offset": where[s.sample_id][1],
+            "length": len(s.input_ids),
+        }
+        for s in samples
+    ]
     atomic_write_json(Path(split_dir) / INDEX, index)
     return index
 

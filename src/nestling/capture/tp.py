@@ -22,8 +22,9 @@ from nestling.capture.backend import Backend
 from nestling.capture.settings import CaptureSettings
 from nestling.errors import NestlingError
 
-TORCHRUN_HINT = ("torchrun --nproc-per-node N -m nestling capture DATA_DIR --target MODEL --out DIR "
-                 "--tensor-parallel-size N")
+TORCHRUN_HINT = (
+    "torchrun --nproc-per-node N -m nestling capture DATA_DIR --target MODEL --out DIR --tensor-parallel-size N"
+)
 # Attention projections a tensor-parallel plan splits by heads: the head counts must divide by the TP degree
 # (transformers does not check; a split head fails later in a reshape, or on an even split, silently).
 HEAD_SPLITS = {"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads", "v_proj": "num_key_value_heads"}
@@ -47,26 +48,37 @@ def check_settings(settings: CaptureSettings) -> None:
     tp = settings.tensor_parallel_size
     if settings.backend == "vllm":
         if n > 1:
-            raise NestlingError(f"the vllm backend starts its own workers (tensor_parallel_size={tp}); run "
-                                f"`nestling capture` once, not under torchrun ({n} processes were started)")
+            raise NestlingError(
+                f"the vllm backend starts its own workers (tensor_parallel_size={tp}); run "
+                f"`nestling capture` once, not under torchrun ({n} processes were started)"
+            )
         return
     if n > 1 and tp == 1:
-        raise NestlingError(f"torchrun started {n} processes but tensor_parallel_size is 1: each would write the "
-                            f"same store. Pass --tensor-parallel-size {n} to split the target over them, or run "
-                            f"without torchrun")
+        raise NestlingError(
+            f"torchrun started {n} processes but tensor_parallel_size is 1: each would write the "
+            f"same store. Pass --tensor-parallel-size {n} to split the target over them, or run "
+            f"without torchrun"
+        )
     if tp > 1 and n != tp:
         raise NestlingError(
             f"--tensor-parallel-size {tp} with the hf backend needs {tp} processes started by torchrun (this is "
-            f"{n}): {TORCHRUN_HINT.replace('N', str(tp))}")
+            f"{n}): {TORCHRUN_HINT.replace('N', str(tp))}"
+        )
     if tp > 1 and settings.device_map:
-        raise NestlingError(f"device_map={settings.device_map} and tensor_parallel_size={tp} exclude each other: "
-                            f"TP places each rank's slice itself; drop --device-map")
+        raise NestlingError(
+            f"device_map={settings.device_map} and tensor_parallel_size={tp} exclude each other: "
+            f"TP places each rank's slice itself; drop --device-map"
+        )
     if tp > 1 and settings.device not in ("cpu", "cuda"):
-        raise NestlingError(f"with tensor_parallel_size={tp}, each rank uses cuda:LOCAL_RANK (or the CPU): give "
-                            f"--device cuda, cpu or auto, not {settings.device}")
+        raise NestlingError(
+            f"with tensor_parallel_size={tp}, each rank uses cuda:LOCAL_RANK (or the CPU): give "
+            f"--device cuda, cpu or auto, not {settings.device}"
+        )
     if tp > 1 and settings.device == "cpu" and torch.cuda.is_available():
-        raise NestlingError("transformers places tensor-parallel slices on the accelerator it finds (CUDA here); "
-                            "use --device cuda for TP, or run without TP on the CPU")
+        raise NestlingError(
+            "transformers places tensor-parallel slices on the accelerator it finds (CUDA here); "
+            "use --device cuda for TP, or run without TP on the CPU"
+        )
 
 
 def check_target(config: Any, tp: int) -> None:
@@ -81,17 +93,22 @@ def check_target(config: Any, tp: int) -> None:
             f"transformers {_transformers_version()} cannot load a compressed-tensors checkpoint tensor-parallel: "
             "sharding the per-expert quantized tensors fails (transformers/distributed/sharding_utils.py, "
             "IndexError: list index out of range; tried on a W4A16 DeepSeek-V3). Capture it with --device-map auto, "
-            "or dequantize it to a dense folder first")
+            "or dequantize it to a dense folder first"
+        )
     if not plan:
-        raise NestlingError(f"transformers has no tensor-parallel plan for {kind} targets; capture with "
-                            f"--device-map auto (layers spread over the GPUs) instead of --tensor-parallel-size")
+        raise NestlingError(
+            f"transformers has no tensor-parallel plan for {kind} targets; capture with "
+            f"--device-map auto (layers spread over the GPUs) instead of --tensor-parallel-size"
+        )
     for key, style in plan.items():
         attr = HEAD_SPLITS.get(key.rsplit(".", 1)[-1])
         if attr and "colwise" in style:
             heads = getattr(text, attr, None) or text.num_attention_heads
             if heads % tp:
-                raise NestlingError(f"{kind} target has {attr}={heads}, which tensor_parallel_size={tp} does not "
-                                    f"divide (its plan splits {key} by heads); use a TP degree that divides it")
+                raise NestlingError(
+                    f"{kind} target has {attr}={heads}, which tensor_parallel_size={tp} does not "
+                    f"divide (its plan splits {key} by heads); use a TP degree that divides it"
+                )
 
 
 def _transformers_version() -> str:

@@ -19,8 +19,9 @@ from nestling.progress import Progress, log
 CHUNK_TOKENS = 8192
 
 
-def _check_shard(path: Path, n_ids: int, hidden_size: int, dtype: str, expect_ids: torch.Tensor,
-                 expect_mask: torch.Tensor) -> list[str]:
+def _check_shard(
+    path: Path, n_ids: int, hidden_size: int, dtype: str, expect_ids: torch.Tensor, expect_mask: torch.Tensor
+) -> list[str]:
     from safetensors import safe_open
 
     name = f"{path.parent.name}/{path.name}"
@@ -53,9 +54,9 @@ def _check_shard(path: Path, n_ids: int, hidden_size: int, dtype: str, expect_id
         hi = torch.full((n_ids,), float("-inf"))
         nonfinite = 0
         for a in range(0, T, CHUNK_TOKENS):
-            x = h[a:a + CHUNK_TOKENS].float()
+            x = h[a : a + CHUNK_TOKENS].float()
             if scale is not None:
-                x = x * scale[a:a + CHUNK_TOKENS, :, None]
+                x = x * scale[a : a + CHUNK_TOKENS, :, None]
             nonfinite += int((~torch.isfinite(x)).sum())
             x = torch.nan_to_num(x)
             lo = torch.minimum(lo, x.amin(dim=(0, 2)))
@@ -83,8 +84,10 @@ def _check_checksum(path: Path, entry: dict | None) -> list[str]:
     if size != entry.get("bytes"):
         return [f"{name}: {size} bytes, but {entry.get('bytes')} were written"]
     if crc != entry.get("crc32"):
-        return [f"{name}: checksum mismatch (crc32 {crc}, recorded {entry.get('crc32')} when it was written): "
-                f"its bytes changed since"]
+        return [
+            f"{name}: checksum mismatch (crc32 {crc}, recorded {entry.get('crc32')} when it was written): "
+            f"its bytes changed since"
+        ]
     return []
 
 
@@ -107,8 +110,10 @@ def verify(capture_dir: str | Path) -> list[str]:
             shards.setdefault(e["shard"], []).append(e)
         checksums = read_checksums(capture_dir / split)
         if checksums is None:
-            log(f"[verify] {split}: no {CHECKSUMS} (a store written before nestling recorded checksums): "
-                f"checking structure and values only")
+            log(
+                f"[verify] {split}: no {CHECKSUMS} (a store written before nestling recorded checksums): "
+                f"checking structure and values only"
+            )
         prog = Progress(f"verify {split}", total=len(shards), unit="shards")
         for shard, entries in sorted(shards.items()):
             entries.sort(key=lambda e: e["offset"])

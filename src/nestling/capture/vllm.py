@@ -33,8 +33,10 @@ CONNECTOR = "NestlingHiddenStatesConnector"
 CONNECTOR_MODULE = "nestling.capture.vllm_connector"
 # model types built on vLLM's MLA attention (a config with kv_lora_rank is refused as MLA too)
 MLA_TYPES = {"deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "kimi_k2", "kimi_k25"}
-HF_HINT = ("use `--backend hf` instead (for a target spread over several GPUs: tensor parallel, `torchrun "
-           "--nproc-per-node N -m nestling capture ... --tensor-parallel-size N`, or `device_map=auto`)")
+HF_HINT = (
+    "use `--backend hf` instead (for a target spread over several GPUs: tensor parallel, `torchrun "
+    "--nproc-per-node N -m nestling capture ... --tensor-parallel-size N`, or `device_map=auto`)"
+)
 
 
 def check_vllm_version(version: str) -> None:
@@ -157,10 +159,20 @@ class VLLMBackend(Backend):
             tp = int(settings.tensor_parallel_size)
             gpus = _visible_gpus() if not _on_cpu(settings.device) else []
             if gpus and len(gpus) < dp * tp:
-                raise NestlingError(f"data_parallel_size {dp} x tensor_parallel_size {tp} needs {dp * tp} GPUs; "
-                                    f"{len(gpus)} are visible")
-            self.engines = [_Replica(target, self.layer_ids, settings, self.max_model_len, extra,
-                                     gpus[r * tp:(r + 1) * tp] if gpus else None) for r in range(dp)]
+                raise NestlingError(
+                    f"data_parallel_size {dp} x tensor_parallel_size {tp} needs {dp * tp} GPUs; {len(gpus)} are visible"
+                )
+            self.engines = [
+                _Replica(
+                    target,
+                    self.layer_ids,
+                    settings,
+                    self.max_model_len,
+                    extra,
+                    gpus[r * tp : (r + 1) * tp] if gpus else None,
+                )
+                for r in range(dp)
+            ]
             for e in self.engines:
                 e.ready()
 
@@ -176,7 +188,8 @@ class VLLMBackend(Backend):
             if not 0 < len(s) < self.max_model_len:
                 raise NestlingError(
                     f"a sample of {len(s)} tokens does not fit the vLLM engine's max_model_len {self.max_model_len}; "
-                    f"raise max_model_len (default: the longest sample) or token_budget")
+                    f"raise max_model_len (default: the longest sample) or token_budget"
+                )
         ids = sample_ids or [str(i) for i in range(len(seqs))]
         work = [(list(s), str(path), int(o), sid) for s, o, sid in zip(seqs, offsets, ids)]
         if len(self.engines) == 1:
@@ -219,12 +232,17 @@ class VLLMBackend(Backend):
             starts[s.sample_id] = off
             off += len(s.input_ids)
         for batch in batches(plan.samples, token_budget):
-            self.fill(tmp, [s.input_ids for s in batch],
-                      [base + starts[s.sample_id] * self.row_bytes for s in batch], [s.sample_id for s in batch])
+            self.fill(
+                tmp,
+                [s.input_ids for s in batch],
+                [base + starts[s.sample_id] * self.row_bytes for s in batch],
+                [s.sample_id for s in batch],
+            )
             if on_batch is not None:
                 on_batch(batch)
-        _check_rows_written(tmp, base, self.row_bytes, [(s.sample_id, starts[s.sample_id], len(s.input_ids))
-                                                          for s in plan.samples])
+        _check_rows_written(
+            tmp, base, self.row_bytes, [(s.sample_id, starts[s.sample_id], len(s.input_ids)) for s in plan.samples]
+        )
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())  # the worker's writes too: fsync flushes the file, whoever wrote it
         record_checksum(Path(path).parent, Path(path).name, plan.key, *file_crc32(tmp))  # the engine wrote the rows
@@ -301,9 +319,15 @@ class _Engine:
         from nestling.capture.vllm_connector import OFFSET, PATH, SAMPLE
 
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _, _, _ in work]
-        params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                                 extra_args={"kv_transfer_params": {PATH: path, OFFSET: off, SAMPLE: sid}})
-                  for _, path, off, sid in work]
+        params = [
+            SamplingParams(
+                max_tokens=1,
+                temperature=0.0,
+                detokenize=False,
+                extra_args={"kv_transfer_params": {PATH: path, OFFSET: off, SAMPLE: sid}},
+            )
+            for _, path, off, sid in work
+        ]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         if len(outs) != len(work) or any(not o.finished for o in outs):
             raise NestlingError("vLLM returned fewer finished requests than were sent; the shard is incomplete")
@@ -345,8 +369,11 @@ class _Replica:
 
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_replica_main, name="nestling-vllm-replica",
-                                args=(child, target, layer_ids, settings, max_model_len, extra, gpus))
+        self.proc = ctx.Process(
+            target=_replica_main,
+            name="nestling-vllm-replica",
+            args=(child, target, layer_ids, settings, max_model_len, extra, gpus),
+        )
         self.proc.start()
 
     def _recv(self) -> None:
@@ -388,8 +415,10 @@ def _check_rows_written(path: Path, base: int, row_bytes: int, spans: list[tuple
             for r in (start, start + n - 1):
                 f.seek(base + r * row_bytes)
                 if not any(f.read(row_bytes)):
-                    raise NestlingError(f"vLLM finished sample {sid} but its hidden states never reached the shard; "
-                                        f"the engine's KV connector did not run (is this vLLM in the tested range?)")
+                    raise NestlingError(
+                        f"vLLM finished sample {sid} but its hidden states never reached the shard; "
+                        f"the engine's KV connector did not run (is this vLLM in the tested range?)"
+                    )
 
 
 def _on_cpu(device: str) -> bool:

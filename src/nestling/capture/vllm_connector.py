@@ -77,8 +77,11 @@ class NestlingHiddenStatesConnector(KVConnectorBase_V1):
         norm = extra.get("final_norm")
         self._norm = None
         if norm is not None:
-            self._norm = (torch.tensor(norm["weight"], dtype=torch.float32), float(norm["eps"]),
-                          bool(norm.get("plus_one", False)))
+            self._norm = (
+                torch.tensor(norm["weight"], dtype=torch.float32),
+                float(norm["eps"]),
+                bool(norm.get("plus_one", False)),
+            )
         self._pending: list[Save] = []
         self._cache: torch.Tensor | None = None
         self._writer = True
@@ -119,9 +122,18 @@ class NestlingHiddenStatesConnector(KVConnectorBase_V1):
                 raise RuntimeError(
                     f"nestling connector: sample {params.get(SAMPLE)} was not prefilled in one step "
                     f"(computed {req.num_computed_tokens}, scheduled up to {done} of {n}); chunked prefill and "
-                    f"prefix caching must be off")
-            meta.saves.append(Save(req.req_id, str(params.get(SAMPLE)), params[PATH], int(params[OFFSET]), n,
-                                   list(req.block_ids[self._group])))
+                    f"prefix caching must be off"
+                )
+            meta.saves.append(
+                Save(
+                    req.req_id,
+                    str(params.get(SAMPLE)),
+                    params[PATH],
+                    int(params[OFFSET]),
+                    n,
+                    list(req.block_ids[self._group]),
+                )
+            )
         return meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -135,8 +147,10 @@ class NestlingHiddenStatesConnector(KVConnectorBase_V1):
         self._writer = get_tensor_model_parallel_rank() == 0
         names = [n for n in kv_caches if "cache_only_layers" in n]
         if len(names) != 1:
-            raise RuntimeError(f"nestling connector: expected one hidden-state cache layer, found {names}; "
-                               "is the speculative method extract_hidden_states?")
+            raise RuntimeError(
+                f"nestling connector: expected one hidden-state cache layer, found {names}; "
+                "is the speculative method extract_hidden_states?"
+            )
         cache = kv_caches[names[0]]
         spec = self._kv_cache_config.kv_cache_groups[self._group].kv_cache_spec if self._kv_cache_config else None
         n_ids = getattr(spec, "num_kv_heads", cache.shape[1])
@@ -148,8 +162,10 @@ class NestlingHiddenStatesConnector(KVConnectorBase_V1):
         elif tuple(cache.shape[1:3]) == (bs, n_ids):
             self._cache = cache.transpose(1, 2)
         else:
-            raise RuntimeError(f"nestling connector: hidden-state cache of shape {tuple(cache.shape)} does not match "
-                               f"{n_ids} layer ids x block size {bs}")
+            raise RuntimeError(
+                f"nestling connector: hidden-state cache of shape {tuple(cache.shape)} does not match "
+                f"{n_ids} layer ids x block size {bs}"
+            )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         pass

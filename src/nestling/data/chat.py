@@ -79,14 +79,18 @@ def read_template(path: str | Path) -> str:
 def chat_format(tokenizer, template: str | None = None) -> ChatFormat:
     """Bind a fast tokenizer to `template` (default: the tokenizer's own chat template)."""
     if not getattr(tokenizer, "is_fast", False):
-        raise NestlingError("the target's tokenizer has no fast (Rust) implementation; nestling needs one for "
-                            "exact token offsets (save it with tokenizer.json)")
+        raise NestlingError(
+            "the target's tokenizer has no fast (Rust) implementation; nestling needs one for "
+            "exact token offsets (save it with tokenizer.json)"
+        )
     template = template if template is not None else getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # several named templates: the default one renders chats
         template = template.get("default")
     if not template:
         raise NestlingError("the target's tokenizer has no chat template; give one with --chat-template FILE")
-    special = sorted({str(t.content) for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True)
+    special = sorted(
+        {str(t.content) for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True
+    )
     special_ids = frozenset(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
     special_re = re.compile("|".join(map(re.escape, special))) if special else re.compile(r"(?!x)x")
     kwargs = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
@@ -117,7 +121,11 @@ class FileTokenizer:
         folder = Path(folder)
         self.backend_tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         self.added_tokens_decoder = self.backend_tokenizer.get_added_tokens_decoder()
-        config = json.loads((folder / "tokenizer_config.json").read_text()) if (folder / "tokenizer_config.json").exists() else {}
+        config = (
+            json.loads((folder / "tokenizer_config.json").read_text())
+            if (folder / "tokenizer_config.json").exists()
+            else {}
+        )
         names = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
         values = {k: config.get(k) for k in names}
         values = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in values.items()}
@@ -133,19 +141,39 @@ class FileTokenizer:
 def format_key(fmt: ChatFormat) -> tuple:
     """Everything `encode_conversations` reads from a ChatFormat: equal keys give identical output."""
     be = fmt.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
-    added = sorted((int(i), str(t.content), bool(t.special), bool(t.normalized), bool(t.lstrip), bool(t.rstrip),
-                    bool(t.single_word)) for i, t in fmt.tokenizer.added_tokens_decoder.items())  # type: ignore[attr-defined]
-    return (be.to_str(), bool(getattr(be, "encode_special_tokens", False)), fmt.template,
-            sorted(fmt.template_kwargs.items()), added)
+    added = sorted(
+        (
+            int(i),
+            str(t.content),
+            bool(t.special),
+            bool(t.normalized),
+            bool(t.lstrip),
+            bool(t.rstrip),
+            bool(t.single_word),
+        )
+        for i, t in fmt.tokenizer.added_tokens_decoder.items()  # type: ignore[attr-defined]
+    )
+    return (
+        be.to_str(),
+        bool(getattr(be, "encode_special_tokens", False)),
+        fmt.template,
+        sorted(fmt.template_kwargs.items()),
+        added,
+    )
 
 
-def render(fmt: ChatFormat, messages: list[dict], add_generation_prompt: bool = False,
-           with_spans: bool = False) -> tuple[str, list[tuple[int, int]]]:
+def render(
+    fmt: ChatFormat, messages: list[dict], add_generation_prompt: bool = False, with_spans: bool = False
+) -> tuple[str, list[tuple[int, int]]]:
     from transformers.utils.chat_template_utils import render_jinja_template
 
     texts, spans = render_jinja_template(  # type: ignore[str-unpack]
-        conversations=[messages], chat_template=fmt.template, add_generation_prompt=add_generation_prompt,
-        return_assistant_tokens_mask=with_spans, **fmt.template_kwargs)
+        conversations=[messages],
+        chat_template=fmt.template,
+        add_generation_prompt=add_generation_prompt,
+        return_assistant_tokens_mask=with_spans,
+        **fmt.template_kwargs,
+    )
     return texts[0], (spans[0] if with_spans and spans else [])  # type: ignore[return-value]
 
 
@@ -191,8 +219,10 @@ def _plan_prefix_diff(fmt: ChatFormat, msgs: list[dict], last_turn_only: bool, p
         plan.turns = turns  # type: ignore[assignment]
         return
     if turns[-1] is None:
-        plan.result = Encoded(drop="template_prefix_mismatch",
-                              detail="the rendered prompt of the last assistant turn is not a prefix of the whole conversation")
+        plan.result = Encoded(
+            drop="template_prefix_mismatch",
+            detail="the rendered prompt of the last assistant turn is not a prefix of the whole conversation",
+        )
         return
     plan.turns = turns[-1:]  # type: ignore[assignment]
     plan.fallback = True
@@ -244,8 +274,13 @@ def render_deadline(seconds: float | None) -> Iterator[_Deadline]:
 TEMPLATE_ERRORS = (TypeError, ValueError, KeyError, IndexError, OverflowError, RecursionError, MemoryError)
 
 
-def encode_conversations(fmt: ChatFormat, conversations: list[list[dict]], last_turn_only: bool = False,
-                         piecewise: bool = True, template_timeout: float | None = None) -> list[Encoded]:
+def encode_conversations(
+    fmt: ChatFormat,
+    conversations: list[list[dict]],
+    last_turn_only: bool = False,
+    piecewise: bool = True,
+    template_timeout: float | None = None,
+) -> list[Encoded]:
     """Render and tokenize a batch of normalized conversations (one fast batched tokenizer call).
 
     `piecewise=False` forces the reference method (whole text with character offsets) that the
@@ -256,8 +291,9 @@ def encode_conversations(fmt: ChatFormat, conversations: list[list[dict]], last_
     return _encode_plans(fmt, plans, piecewise)
 
 
-def _plan_all(fmt: ChatFormat, conversations: list[list[dict]], last_turn_only: bool,
-              deadline: _Deadline) -> list[_Plan]:
+def _plan_all(
+    fmt: ChatFormat, conversations: list[list[dict]], last_turn_only: bool, deadline: _Deadline
+) -> list[_Plan]:
     """Render every conversation (a plan of what to tokenize), each within its own deadline."""
     import jinja2
 
@@ -268,8 +304,10 @@ def _plan_all(fmt: ChatFormat, conversations: list[list[dict]], last_turn_only: 
         bad = next((m for m in msgs if fmt.special_re.search(m["content"])), None)
         if bad is not None:
             tok = fmt.special_re.search(bad["content"]).group(0)  # type: ignore[union-attr]
-            plan.result = Encoded(drop="special_token_in_content",
-                                  detail=f"a {bad['role']} message contains the control token {tok!r} as text")
+            plan.result = Encoded(
+                drop="special_token_in_content",
+                detail=f"a {bad['role']} message contains the control token {tok!r} as text",
+            )
             continue
         try:
             deadline.arm()
@@ -321,14 +359,15 @@ def _finish(p: _Plan, ids: list[int], spans: list[tuple[int, int] | None], mask:
     A broken last span drops the conversation (a token merges across the prompt/reply boundary);
     a broken earlier span keeps only the last turn, counted as an alteration."""
     if spans and spans[-1] is None:
-        p.result = Encoded(drop="token_prefix_mismatch",
-                           detail="a token merges across the boundary between prompt and assistant reply")
+        p.result = Encoded(
+            drop="token_prefix_mismatch", detail="a token merges across the boundary between prompt and assistant reply"
+        )
         return
     if any(sp is None for sp in spans):
         spans = spans[-1:]
         p.fallback = True
     for kb, je in spans:  # type: ignore[misc]
-        mask[kb:je + 1] = 1
+        mask[kb : je + 1] = 1
     if p.fallback:
         p.result.altered.append("prefix_mismatch_last_turn_only")
     p.result.turns = spans  # type: ignore[assignment]
@@ -336,8 +375,9 @@ def _finish(p: _Plan, ids: list[int], spans: list[tuple[int, int] | None], mask:
     p.result.loss_mask = mask
 
 
-def _token_span(fmt: ChatFormat, enc, ids: list[int], turn: tuple[int, int, int],
-                window: list[int]) -> tuple[int, int] | None:
+def _token_span(
+    fmt: ChatFormat, enc, ids: list[int], turn: tuple[int, int, int], window: list[int]
+) -> tuple[int, int] | None:
     """Token range [kb, je] of one assistant turn; None when tokenize(prompt) is not a prefix of the ids.
 
     Everything before the special token at `s` tokenizes independently of what follows it, so
@@ -377,8 +417,9 @@ def _segment_ids(fmt: ChatFormat) -> dict[str, int] | None:
     sp = list(out)[:2]
     parts = ["Hi  there,\n", sp[0], " user\n\n 12 ", sp[-1], "\nok."]
     whole = backend.encode("".join(parts), add_special_tokens=False).ids
-    pieced = [i for k, x in enumerate(parts) for i in
-              ([out[x]] if k % 2 else backend.encode(x, add_special_tokens=False).ids)]
+    pieced = [
+        i for k, x in enumerate(parts) for i in ([out[x]] if k % 2 else backend.encode(x, add_special_tokens=False).ids)
+    ]
     return out if whole == pieced else None
 
 
@@ -405,8 +446,8 @@ def _encode_by_segments(fmt: ChatFormat, backend, special_id: dict[str, int], pl
         pieces.append(p.text[pos:])
     windows = [p.text[s:b] for p in plans for (b, s, _) in p.turns]
     encs = _tokenize_pieces(fmt, backend, pieces + windows)
-    it = iter(encs[:len(pieces)])
-    local = iter(encs[len(pieces):])
+    it = iter(encs[: len(pieces)])
+    local = iter(encs[len(pieces) :])
     for p in plans:
         ids: list[int] = []
         start_tok: dict[int, int] = {}  # char start of a special token -> its token index
@@ -417,7 +458,7 @@ def _encode_by_segments(fmt: ChatFormat, backend, special_id: dict[str, int], pl
         ids += next(it)
         end_tok = {z: start_tok[a] for a, z in p.specials}  # char end of a special token -> its token index
         spans = []
-        for (_b, s, e) in p.turns:
+        for _b, s, e in p.turns:
             window = next(local)
             ks = start_tok[s] if s else 0
             kb = ks + len(window)

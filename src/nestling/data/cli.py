@@ -24,16 +24,30 @@ DIR/manifest.json with counts by reason. Settings: --config FILE (YAML) and key=
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = add_intermixed_parser(sub, "data", help="tokenize chat data into loss-masked samples (or `data inspect DIR`)",
-                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("inputs", nargs="+", metavar="INPUT",
-                   help="chat data files, then optional key=value setting overrides; or `inspect DATA_DIR`")
-    p.add_argument("--target", help="target model: a Hugging Face folder or a .gguf file (its tokenizer and chat template are used)")
+    p = add_intermixed_parser(
+        sub,
+        "data",
+        help="tokenize chat data into loss-masked samples (or `data inspect DIR`)",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="chat data files, then optional key=value setting overrides; or `inspect DATA_DIR`",
+    )
+    p.add_argument(
+        "--target",
+        help="target model: a Hugging Face folder or a .gguf file (its tokenizer and chat template are used)",
+    )
     p.add_argument("--out", help="output folder (nothing is written outside it)")
     p.add_argument("--config", type=Path, help="YAML file of data settings (keys of DataSettings)")
     p.add_argument("--max-length", type=int, help="maximum tokens per sample (default 2048)")
     p.add_argument("--overflow", choices=["truncate", "drop"], help="what to do with longer samples (default truncate)")
-    p.add_argument("--held-out", type=float, metavar="FRACTION", help="fraction of samples for the heldout split (default 0)")
+    p.add_argument(
+        "--held-out", type=float, metavar="FRACTION", help="fraction of samples for the heldout split (default 0)"
+    )
     p.add_argument("--seed", type=int, help="seed of the held-out assignment (default 0)")
     p.add_argument("--last-turn-only", action="store_true", default=None, help="supervise only the last assistant turn")
     p.add_argument("--system-prompt", help="system message for every conversation (replaces the data's; '' removes it)")
@@ -41,9 +55,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, help="read only the first N records of each input")
     p.add_argument("--workers", type=int, help="worker processes (default: all cores)")
     p.add_argument("--index", type=int, default=0, help="inspect: which sample to show (default 0)")
-    p.add_argument("--split", default="train", choices=["train", "heldout"], help="inspect: which split (default train)")
-    p.add_argument("--color", action=argparse.BooleanOptionalAction, default=None,
-                   help="inspect: highlight with colour (default: when writing to a terminal; else [[brackets]])")
+    p.add_argument(
+        "--split", default="train", choices=["train", "heldout"], help="inspect: which split (default train)"
+    )
+    p.add_argument(
+        "--color",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="inspect: highlight with colour (default: when writing to a terminal; else [[brackets]])",
+    )
     p.set_defaults(func=run)
 
 
@@ -61,14 +81,33 @@ def run(args: argparse.Namespace) -> int:
     if not inputs:
         raise NestlingError("give at least one INPUT file")
     settings = load_settings(
-        DataSettings, args.config, overrides,
-        max_length=args.max_length, overflow=args.overflow, held_out=args.held_out, seed=args.seed,
-        last_turn_only=args.last_turn_only, system_prompt=args.system_prompt, chat_template=args.chat_template,
-        limit=args.limit, workers=args.workers)
+        DataSettings,
+        args.config,
+        overrides,
+        max_length=args.max_length,
+        overflow=args.overflow,
+        held_out=args.held_out,
+        seed=args.seed,
+        last_turn_only=args.last_turn_only,
+        system_prompt=args.system_prompt,
+        chat_template=args.chat_template,
+        limit=args.limit,
+        workers=args.workers,
+    )
     manifest = prepare_data(inputs, args.target, args.out, settings)
-    print(json.dumps({"out": args.out, "counts": manifest["counts"],
-                      "splits": {k: {kk: v[kk] for kk in ("samples", "tokens", "supervised_tokens")}
-                                 for k, v in manifest["splits"].items()}}, indent=2))
+    print(
+        json.dumps(
+            {
+                "out": args.out,
+                "counts": manifest["counts"],
+                "splits": {
+                    k: {kk: v[kk] for kk in ("samples", "tokens", "supervised_tokens")}
+                    for k, v in manifest["splits"].items()
+                },
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

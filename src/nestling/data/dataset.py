@@ -29,12 +29,14 @@ def write_shard(path: Path, samples: list[Sample]) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.table({
-        "input_ids": pa.array([s.input_ids for s in samples], type=pa.list_(pa.int32())),
-        "loss_mask": pa.array([s.loss_mask for s in samples], type=pa.list_(pa.int8())),
-        "sample_id": pa.array([s.sample_id for s in samples], type=pa.string()),
-        "source_index": pa.array([s.source_index for s in samples], type=pa.int64()),
-    })
+    table = pa.table(
+        {
+            "input_ids": pa.array([s.input_ids for s in samples], type=pa.list_(pa.int32())),
+            "loss_mask": pa.array([s.loss_mask for s in samples], type=pa.list_(pa.int8())),
+            "sample_id": pa.array([s.sample_id for s in samples], type=pa.string()),
+            "source_index": pa.array([s.source_index for s in samples], type=pa.int64()),
+        }
+    )
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     pq.write_table(table, tmp)
@@ -53,6 +55,8 @@ def load_samples(data_dir: Path, split: str = "train") -> list[Sample]:
     out: list[Sample] = []
     for f in split_files(data_dir, split):
         t = pq.read_table(f).to_pydict()
-        out += [Sample(sid, int(si), ids, mask) for ids, mask, sid, si in
-                zip(t["input_ids"], t["loss_mask"], t["sample_id"], t["source_index"])]
+        out += [
+            Sample(sid, int(si), ids, mask)
+            for ids, mask, sid, si in zip(t["input_ids"], t["loss_mask"], t["sample_id"], t["source_index"])
+        ]
     return out

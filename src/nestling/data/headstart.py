@@ -65,8 +65,10 @@ class HeadStart:
             if self.verified is None and self.record is not None:
                 _remember_match(self.record, self.guess_key, tok_fp, self.target_dir)  # type: ignore[arg-type]
             return self.results
-        log("[data] AutoTokenizer's tokenizer or template differs from the one read from the target's files; "
-            "the workers start over with AutoTokenizer's")
+        log(
+            "[data] AutoTokenizer's tokenizer or template differs from the one read from the target's files; "
+            "the workers start over with AutoTokenizer's"
+        )
         self.stop()
         return None
 
@@ -75,8 +77,9 @@ class HeadStart:
         self.pool.join()
 
 
-def start(inputs: list[Path], target_dir: Path, template: str | None, settings: DataSettings, workers: int,
-          out: Path) -> HeadStart | None:
+def start(
+    inputs: list[Path], target_dir: Path, template: str | None, settings: DataSettings, workers: int, out: Path
+) -> HeadStart | None:
     """Read the inputs and fork the workers on `FileTokenizer(target)` (no transformers import needed);
     None when it cannot help: one worker, no fork, or a finished result in `out` (maybe a no-op)."""
     if workers <= 1 or "fork" not in mp.get_all_start_methods() or (out / MANIFEST).exists():
@@ -111,8 +114,15 @@ def match_record(target_dir: Path, template: str | None) -> Path | None:
     try:
         files = sorted(f for f in target_dir.iterdir() if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES))
         content = {f.name: hash_bytes(f.read_bytes()) if f.stat().st_size < 64 << 20 else hash_file(f) for f in files}
-        key = hash_json({"files": content, "template": template, "format": MATCH_FORMAT, "fingerprint": TOKENIZER_FINGERPRINT_VERSION,
-                         "versions": [nestling.__version__, version("transformers"), version("tokenizers")]})
+        key = hash_json(
+            {
+                "files": content,
+                "template": template,
+                "format": MATCH_FORMAT,
+                "fingerprint": TOKENIZER_FINGERPRINT_VERSION,
+                "versions": [nestling.__version__, version("transformers"), version("tokenizers")],
+            }
+        )
         return cache_dir() / "tokenizer-match" / f"{key}.json"
     except OSError:
         return None
@@ -139,7 +149,8 @@ def _remember_match(record: Path, guess_key: tuple, tok_fp: str, target_dir: Pat
 
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(record, {"tokenizer_fingerprint": tok_fp, "format_hash": hash_json(guess_key),
-                                   "target": str(target_dir)})
+        atomic_write_json(
+            record, {"tokenizer_fingerprint": tok_fp, "format_hash": hash_json(guess_key), "target": str(target_dir)}
+        )
     except OSError as e:  # only a speed-up: the next run verifies again
         log(f"[data] could not remember the tokenizer check in {record} ({e}); the next run checks again")

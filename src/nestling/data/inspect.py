@@ -51,6 +51,8 @@ def inspect_sample(data_dir: Path, index: int = 0, split: str = "train", color: 
     s = samples[index]
     color = sys.stdout.isatty() if color is None else color
     legend = "supervised tokens on green" if color else f"supervised tokens between {BRACKET_ON} {BRACKET_OFF}"
-    head = (f"sample {index} of {split} ({len(samples)}): id {s.sample_id}, source record {s.source_index}, "
-            f"{len(s.input_ids)} tokens, {int(sum(s.loss_mask))} supervised; {legend}")
+    head = (
+        f"sample {index} of {split} ({len(samples)}): id {s.sample_id}, source record {s.source_index}, "
+        f"{len(s.input_ids)} tokens, {int(sum(s.loss_mask))} supervised; {legend}"
+    )
     return head + "\n" + "-" * 80 + "\n" + format_sample(tokenizer, s.input_ids, s.loss_mask, color) + "\n"

@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 
 ROLE_MAP = {
     **dict.fromkeys(("human", "user", "prompter", "customer"), "user"),
-    **dict.fromkeys(("gpt", "assistant", "chatgpt", "bing", "bard", "model", "bot", "gpt4", "claude", "llm"), "assistant"),
+    **dict.fromkeys(
+        ("gpt", "assistant", "chatgpt", "bing", "bard", "model", "bot", "gpt4", "claude", "llm"), "assistant"
+    ),
     **dict.fromkeys(("system", "developer"), "system"),
     **dict.fromkeys(("tool", "function", "observation", "ipython", "tool_response", "function_response"), "tool"),
 }
@@ -67,7 +69,9 @@ def normalize_record(record: dict, role_map: dict | None = None, system_prompt: 
     if turns is None:
         return Normalized(None, "malformed_record", "record has neither 'conversations' nor 'messages'")
     if not isinstance(turns, list):
-        return Normalized(None, "malformed_record", f"'conversations'/'messages' is a {type(turns).__name__}, not a list")
+        return Normalized(
+            None, "malformed_record", f"'conversations'/'messages' is a {type(turns).__name__}, not a list"
+        )
     if not turns:
         return Normalized(None, "empty_conversation")
     altered: set[str] = set()
@@ -95,7 +99,7 @@ def normalize_record(record: dict, role_map: dict | None = None, system_prompt: 
         msgs.append(m)
 
     system = [m for m in msgs[:1] if m["role"] == "system"]
-    rest = msgs[len(system):]
+    rest = msgs[len(system) :]
     if any(m["role"] == "system" for m in rest):
         altered.add("system_not_first_dropped")
         rest = [m for m in rest if m["role"] != "system"]
@@ -109,8 +113,13 @@ def normalize_record(record: dict, role_map: dict | None = None, system_prompt: 
     merged: list[dict] = []
     for m in rest:
         prev = merged[-1] if merged else None
-        if (prev is not None and prev["role"] == m["role"] and m["role"] in ("user", "assistant")
-                and not prev.get("tool_calls") and not m.get("tool_calls")):
+        if (
+            prev is not None
+            and prev["role"] == m["role"]
+            and m["role"] in ("user", "assistant")
+            and not prev.get("tool_calls")
+            and not m.get("tool_calls")
+        ):
             prev["content"] = prev["content"].rstrip() + "\n\n" + m["content"].lstrip()
             altered.add("merged_consecutive_turns")
         else:

@@ -98,7 +98,9 @@ def read_inputs(inputs: list[Path], limit: int | None) -> tuple[list[tuple[str, 
     for p, name in zip(inputs, _sample_names(inputs)):
         recs, report = read_input(p, limit)
         if report.stopped:
-            log(f"[data] warning: {p}: reading stopped early at {report.stopped}; kept the {len(recs) - 1} complete records before it")
+            log(
+                f"[data] warning: {p}: reading stopped early at {report.stopped}; kept the {len(recs) - 1} complete records before it"
+            )
         reports.append(report)
         records += [(f"{name}:{r.index}", r) for r in recs]
     return records, reports
@@ -129,16 +131,21 @@ def _read_json_list(path: Path, limit: int | None, report: InputReport) -> list[
         try:
             item, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            report.stopped = (f"record {len(out)} (line {e.lineno}, column {e.colno}, character {e.pos}) "
-                              f"cannot be parsed: {e.msg}; the file looks cut off or corrupt there")
+            report.stopped = (
+                f"record {len(out)} (line {e.lineno}, column {e.colno}, character {e.pos}) "
+                f"cannot be parsed: {e.msg}; the file looks cut off or corrupt there"
+            )
             break
         except RecursionError:
             end = skip_json_value(text, pos)
             if end is None:
                 report.stopped = f"record {len(out)} (character {pos}) is nested too deeply and never closed"
                 break
-            out.append(RawRecord(len(out), None, f"{path.name}: record {len(out)} is nested too deeply to parse",
-                                 "too_deeply_nested"))
+            out.append(
+                RawRecord(
+                    len(out), None, f"{path.name}: record {len(out)} is nested too deeply to parse", "too_deeply_nested"
+                )
+            )
             pos, item, deep = end, None, True
         bad = None if deep else _utf8_problem(text[start:pos])
         if deep:
@@ -148,7 +155,9 @@ def _read_json_list(path: Path, limit: int | None, report: InputReport) -> list[
         elif isinstance(item, dict):
             out.append(RawRecord(len(out), item))
         else:
-            out.append(RawRecord(len(out), None, f"{path.name}: record {len(out)} is a {type(item).__name__}, not an object"))
+            out.append(
+                RawRecord(len(out), None, f"{path.name}: record {len(out)} is a {type(item).__name__}, not an object")
+            )
         while pos < n and text[pos] in ws:
             pos += 1
         if pos < n and text[pos] == ",":
@@ -176,11 +185,16 @@ def _read_jsonl(path: Path, limit: int | None, report: InputReport) -> list[RawR
             try:
                 item = json.loads(line)
             except json.JSONDecodeError as e:
-                out.append(RawRecord(lineno, None, f"{path.name}:{lineno + 1}: malformed JSON ({e.msg} at column {e.colno})"))
+                out.append(
+                    RawRecord(lineno, None, f"{path.name}:{lineno + 1}: malformed JSON ({e.msg} at column {e.colno})")
+                )
                 continue
             except RecursionError:
-                out.append(RawRecord(lineno, None, f"{path.name}:{lineno + 1}: nested too deeply to parse",
-                                     "too_deeply_nested"))
+                out.append(
+                    RawRecord(
+                        lineno, None, f"{path.name}:{lineno + 1}: nested too deeply to parse", "too_deeply_nested"
+                    )
+                )
                 continue
             if not isinstance(item, dict):
                 out.append(RawRecord(lineno, None, f"{path.name}:{lineno + 1}: a {type(item).__name__}, not an object"))
@@ -225,7 +239,8 @@ def _read_parquet(path: Path, limit: int | None, report: InputReport) -> list[Ra
     if column is None:
         raise NestlingError(
             f"{path} has columns {names}; a chat parquet needs a 'conversations' column (ShareGPT: list of "
-            f"{{from, value}}) or a 'messages' column (list of {{role, content}})")
+            f"{{from, value}}) or a 'messages' column (list of {{role, content}})"
+        )
     keep = [c for c in (column, "id") if c in names]
     table = pf.read(columns=keep)
     if limit is not None:

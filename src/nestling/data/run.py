@@ -34,8 +34,9 @@ from nestling.progress import Progress, format_duration, log
 from nestling.targets.load import TOKENIZER_FINGERPRINT_VERSION
 
 
-def prepare_data(inputs: list[str | Path] | str | Path, target: str | Path, out: str | Path,
-                 settings: DataSettings | None = None) -> dict:
+def prepare_data(
+    inputs: list[str | Path] | str | Path, target: str | Path, out: str | Path, settings: DataSettings | None = None
+) -> dict:
     """Tokenize chat data for `target` into `out`; returns the manifest (see docs/data.md)."""
     from nestling.data.chat import read_template
     from nestling.targets.load import resolve_target
@@ -45,8 +46,11 @@ def prepare_data(inputs: list[str | Path] | str | Path, target: str | Path, out:
     out = Path(out)
     target_dir = resolve_target(target)
     template = read_template(settings.chat_template) if settings.chat_template else None
-    inputs_named = [("input file", p) for p in paths] + [("target", target_dir), ("target", target),
-                                                         ("chat template", settings.chat_template)]
+    inputs_named = [("input file", p) for p in paths] + [
+        ("target", target_dir),
+        ("target", target),
+        ("chat template", settings.chat_template),
+    ]
     with outdir.claim(out, "data", inputs_named):
         return _prepare_claimed(paths, target_dir, template, out, settings)
 
@@ -64,8 +68,9 @@ def _input_paths(inputs: list[str | Path] | str | Path) -> list[Path]:
     return paths
 
 
-def _prepare_claimed(inputs: list[Path], target_dir: Path, template: str | None, out: Path,
-                     settings: DataSettings) -> dict:
+def _prepare_claimed(
+    inputs: list[Path], target_dir: Path, template: str | None, out: Path, settings: DataSettings
+) -> dict:
     """`_prepare` with the head start begun first (workers tokenize while transformers loads); its
     workers and the shared worker state are gone afterwards, however the run ends."""
     t0 = time.monotonic()
@@ -79,8 +84,16 @@ def _prepare_claimed(inputs: list[Path], target_dir: Path, template: str | None,
         work.STATE.clear()
 
 
-def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Path, settings: DataSettings,
-             workers: int, t0: float, early: headstart.HeadStart | None) -> dict:
+def _prepare(
+    inputs: list[Path],
+    target_dir: Path,
+    template: str | None,
+    out: Path,
+    settings: DataSettings,
+    workers: int,
+    t0: float,
+    early: headstart.HeadStart | None,
+) -> dict:
     """The stage's outline, once `out` is claimed: format, a finished result (then nothing to do), the
     records, tokenizing into shards, the manifest last."""
     fmt, tok_fp, verified = _chat_format(target_dir, template, early)
@@ -91,20 +104,32 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
         return done
 
     records, reports, results = _read_records(inputs, settings, early, fmt, tok_fp)
-    log(f"[data] read {len(records)} records from {len(inputs)} file(s); tokenizer and records ready after {time.monotonic() - t0:.1f}s; "
-        f"loss mask by {fmt.mask_method}" + ("; tokenizer read from the target's files (verified earlier, cached)"
-                                            if verified is not None else ""))
+    log(
+        f"[data] read {len(records)} records from {len(inputs)} file(s); tokenizer and records ready after {time.monotonic() - t0:.1f}s; "
+        f"loss mask by {fmt.mask_method}"
+        + ("; tokenizer read from the target's files (verified earlier, cached)" if verified is not None else "")
+    )
     _clear(out)  # our own files only: `out` is a data folder (claimed in prepare_data)
     shards = _tokenize(records, results, fmt, out, settings, workers, target_dir, template, early)
 
     elapsed = time.monotonic() - t0
     manifest = write_manifest(
-        out, "data", to_dict(settings),
+        out,
+        "data",
+        to_dict(settings),
         inputs={
             "tokenizer": tok_fp,
             "chat_template": hash_bytes(fmt.template.encode()),
-            "data": [{"path": str(p.resolve()), "fingerprint": fp, "format": r.format, "records": r.records,
-                      "stopped": r.stopped} for p, fp, r in zip(inputs, input_fps, reports)],
+            "data": [
+                {
+                    "path": str(p.resolve()),
+                    "fingerprint": fp,
+                    "format": r.format,
+                    "records": r.records,
+                    "stopped": r.stopped,
+                }
+                for p, fp, r in zip(inputs, input_fps, reports)
+            ],
         },
         target=str(target_dir.resolve()),
         tokenizer_fingerprint_version=TOKENIZER_FINGERPRINT_VERSION,
@@ -119,7 +144,9 @@ def _prepare(inputs: list[Path], target_dir: Path, template: str | None, out: Pa
     return manifest
 
 
-def _chat_format(target_dir: Path, template: str | None, early: headstart.HeadStart | None) -> tuple[Any, str, str | None]:
+def _chat_format(
+    target_dir: Path, template: str | None, early: headstart.HeadStart | None
+) -> tuple[Any, str, str | None]:
     """(chat format, tokenizer fingerprint, remembered fingerprint or None): the head start's own format
     when an earlier run verified it equals AutoTokenizer's (no transformers import), else AutoTokenizer's."""
     verified = early.recall() if early is not None else None
@@ -143,8 +170,14 @@ def fingerprint_of(tokenizer_fp: str, template: str, settings: DataSettings, inp
     """What the result depends on: tokenizer, template, inputs and settings, less those that do not
     change the samples (workers, shard size)."""
     relevant = {k: v for k, v in to_dict(settings).items() if k not in ("workers", "shard_samples")}
-    return hash_json({"tokenizer": tokenizer_fp, "template": hash_bytes(template.encode()),
-                      "settings": relevant, "inputs": input_fps})
+    return hash_json(
+        {
+            "tokenizer": tokenizer_fp,
+            "template": hash_bytes(template.encode()),
+            "settings": relevant,
+            "inputs": input_fps,
+        }
+    )
 
 
 def _finished_result(out: Path, fingerprint: str) -> dict | None:
@@ -158,7 +191,8 @@ def _finished_result(out: Path, fingerprint: str) -> dict | None:
         except NestlingError:
             old = {}
         if old.get("fingerprint") == fingerprint and all(
-                len(split_files(out, s)) == len(old.get("splits", {}).get(s, {}).get("files", [])) for s in SPLITS):
+            len(split_files(out, s)) == len(old.get("splits", {}).get(s, {}).get("files", [])) for s in SPLITS
+        ):
             log(f"[data] {out} is already complete for these inputs, tokenizer, template and settings; nothing to do.")
             return old
         log(f"[data] {out} holds a result for other inputs or settings; redoing it.")
@@ -177,8 +211,9 @@ def _clear(out: Path) -> None:
         f.unlink()
 
 
-def _read_records(inputs: list[Path], settings: DataSettings, early: headstart.HeadStart | None, fmt: Any,
-                  tok_fp: str) -> tuple[list, list, Iterator[list[work.Outcome]] | None]:
+def _read_records(
+    inputs: list[Path], settings: DataSettings, early: headstart.HeadStart | None, fmt: Any, tok_fp: str
+) -> tuple[list, list, Iterator[list[work.Outcome]] | None]:
     """(records, per-file reports, the head start's results or None): the head start already read the
     inputs; its results count only if its format is `fmt` (else its workers are stopped)."""
     if early is not None:
@@ -186,9 +221,17 @@ def _read_records(inputs: list[Path], settings: DataSettings, early: headstart.H
     return *read_inputs(inputs, settings.limit), None
 
 
-def _tokenize(records: list, results: Iterator[list[work.Outcome]] | None, fmt: Any, out: Path,
-              settings: DataSettings, workers: int, target_dir: Path, template: str | None,
-              early: headstart.HeadStart | None) -> Shards:
+def _tokenize(
+    records: list,
+    results: Iterator[list[work.Outcome]] | None,
+    fmt: Any,
+    out: Path,
+    settings: DataSettings,
+    workers: int,
+    target_dir: Path,
+    template: str | None,
+    early: headstart.HeadStart | None,
+) -> Shards:
     """Every record rendered, tokenized and written to shards in input order: from the head start's
     `results` when kept, else in this process (one worker) or a fresh pool of worker processes."""
     ranges = work.spans(len(records))
@@ -196,8 +239,8 @@ def _tokenize(records: list, results: Iterator[list[work.Outcome]] | None, fmt: 
     work.share(fmt, settings, records)
     shards = Shards(out, settings)
     # With the head start's results, rates count from when its workers started.
-    progress = Progress("data", total=len(records), unit="conv",
-                        started=early.started if results is not None else time.monotonic())  # type: ignore[union-attr]
+    started = early.started if results is not None else time.monotonic()  # type: ignore[union-attr]
+    progress = Progress("data", total=len(records), unit="conv", started=started)
 
     def consume(outcomes: list[work.Outcome]) -> None:
         tokens = shards.add(outcomes)
@@ -227,12 +270,18 @@ def _log_summary(shards: Shards, read: int, settings: DataSettings, elapsed: flo
     """One line for the user: what was kept and dropped (by reason), rows, tokens, held out, time."""
     counts, stats = shards.counts, shards.stats
     dropped = sum(counts.values())
-    log(f"[data] kept {read - dropped}/{read} conversations ({dropped} dropped"
-        + (": " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) if counts else "") + ")"
-        + (f"; {shards.rows} rows, one per assistant turn ({sum(shards.rows_dropped.values())} turns past max_length left out)"
-           if settings.rows == "turn" else "")
+    log(
+        f"[data] kept {read - dropped}/{read} conversations ({dropped} dropped"
+        + (": " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) if counts else "")
+        + ")"
+        + (
+            f"; {shards.rows} rows, one per assistant turn ({sum(shards.rows_dropped.values())} turns past max_length left out)"
+            if settings.rows == "turn"
+            else ""
+        )
         + f"; {stats['train']['tokens']:,} train tokens ({stats['train']['supervised_tokens']:,} supervised), "
-        + f"{stats['heldout']['samples']} held out; {format_duration(elapsed)} -> {out}")
+        + f"{stats['heldout']['samples']} held out; {format_duration(elapsed)} -> {out}"
+    )
 
 
 __all__ = ["prepare_data"]

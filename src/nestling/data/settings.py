@@ -24,7 +24,9 @@ class DataSettings:
     shard_samples: int = 4096  # samples per parquet shard
     workers: int = 0  # processes for rendering + tokenizing; 0 = all CPU cores
     role_map: dict = field(default_factory=dict)  # extra `from`/`role` names -> user|assistant|system|tool
-    template_timeout: float = 10.0  # CPU seconds one conversation may take to render; slower ones are dropped (0 = no bound)
+    template_timeout: float = (
+        10.0  # CPU seconds one conversation may take to render; slower ones are dropped (0 = no bound)
+    )
 
     def __post_init__(self) -> None:
         from nestling.errors import NestlingError
@@ -38,6 +40,8 @@ class DataSettings:
         if self.shard_samples < 1:
             raise NestlingError(f"shard_samples must be positive, got {self.shard_samples}")
         if not (self.template_timeout >= 0 and self.template_timeout < float("inf")):
-            raise NestlingError(f"template_timeout is CPU seconds per conversation (0 = no bound), got {self.template_timeout}")
+            raise NestlingError(
+                f"template_timeout is CPU seconds per conversation (0 = no bound), got {self.template_timeout}"
+            )
         if self.limit is not None and self.limit < 1:
             raise NestlingError(f"limit must be positive, got {self.limit}")

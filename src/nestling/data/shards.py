@@ -85,9 +85,14 @@ class Shards:
 
     def manifest_counts(self, read: int) -> dict:
         """The manifest's `counts` for `read` input records."""
-        return {"read": read, "kept": read - sum(self.counts.values()), "dropped": dict(sorted(self.counts.items())),
-                "altered": dict(sorted(self.altered.items())), "rows": self.rows,
-                "rows_dropped": dict(sorted(self.rows_dropped.items()))}
+        return {
+            "read": read,
+            "kept": read - sum(self.counts.values()),
+            "dropped": dict(sorted(self.counts.items())),
+            "altered": dict(sorted(self.altered.items())),
+            "rows": self.rows,
+            "rows_dropped": dict(sorted(self.rows_dropped.items())),
+        }
 
     def _flush(self, split: str) -> None:
         if self.buffers[split]:

@@ -72,7 +72,7 @@ def process(span: tuple[int, int]) -> list[Outcome]:
     from nestling.data.normalize import normalize_record
 
     settings: DataSettings = STATE["settings"]
-    records: list[tuple[str, RawRecord]] = STATE["records"][span[0]:span[1]]
+    records: list[tuple[str, RawRecord]] = STATE["records"][span[0] : span[1]]
     outcomes: list[Outcome] = []
     todo: list[tuple[Outcome, list[dict]]] = []
     for sid, rec in records:
@@ -88,8 +88,9 @@ def process(span: tuple[int, int]) -> list[Outcome]:
             continue
         todo.append((o, norm.messages))
     if todo:
-        encoded = encode_conversations(STATE["fmt"], [m for _, m in todo], settings.last_turn_only,
-                                       template_timeout=settings.template_timeout)
+        encoded = encode_conversations(
+            STATE["fmt"], [m for _, m in todo], settings.last_turn_only, template_timeout=settings.template_timeout
+        )
         for (o, _), enc in zip(todo, encoded):
             o.altered += enc.altered
             if enc.drop is not None:
@@ -130,15 +131,19 @@ def _add_rows(o: Outcome, enc, settings: DataSettings) -> None:
             ids, mask = ids[: settings.max_length], mask[: settings.max_length]
             o.altered.append("truncated_to_max_length")
             if not mask.any():
-                first_drop = first_drop or ("no_supervised_tokens_after_truncation",
-                                            f"the first {settings.max_length} tokens hold no assistant reply")
+                first_drop = first_drop or (
+                    "no_supervised_tokens_after_truncation",
+                    f"the first {settings.max_length} tokens hold no assistant reply",
+                )
                 o.rows_dropped.append("no_supervised_tokens_after_truncation")
                 continue
         if not mask.any():
             first_drop = first_drop or ("no_supervised_tokens", "")
             o.rows_dropped.append("no_supervised_tokens")
             continue
-        o.rows.append(Row(sid, np.fromiter(ids, dtype=np.int32, count=len(ids)), mask))  # ~3x faster than asarray for a list
+        o.rows.append(
+            Row(sid, np.fromiter(ids, dtype=np.int32, count=len(ids)), mask)
+        )  # ~3x faster than asarray for a list
     if not o.rows:
         assert first_drop is not None
         o.drop, o.detail = first_drop
@@ -152,8 +157,9 @@ def spans(n: int) -> list[tuple[int, int]]:
     return [(i, min(i + CHUNK, n)) for i in range(0, n, CHUNK)]
 
 
-def start_pool(workers: int, target_dir, template: str | None, settings: DataSettings, records,
-               ranges: list[tuple[int, int]]) -> tuple[Pool, Iterator[list[Outcome]]]:
+def start_pool(
+    workers: int, target_dir, template: str | None, settings: DataSettings, records, ranges: list[tuple[int, int]]
+) -> tuple[Pool, Iterator[list[Outcome]]]:
     """Worker processes over the record `ranges` (`spans`); returns (pool, iterator of outcome lists in input order)."""
     if "fork" in mp.get_all_start_methods():
         pool = mp.get_context("fork").Pool(workers, _init_worker, (str(target_dir), template, settings))

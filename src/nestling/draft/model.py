@@ -70,8 +70,10 @@ class DraftConfig:
 
     def __post_init__(self) -> None:
         if int(self.num_hidden_layers) < 1:
-            raise NestlingError(f"the draft needs at least one decoder layer (draft_layers / num_hidden_layers), "
-                                f"got {self.num_hidden_layers}")
+            raise NestlingError(
+                f"the draft needs at least one decoder layer (draft_layers / num_hidden_layers), "
+                f"got {self.num_hidden_layers}"
+            )
 
     @classmethod
     def from_target(cls, hf_config, draft_vocab_size: int, aux_layer_ids: list[int], **kw) -> "DraftConfig":
@@ -126,8 +128,14 @@ class DraftConfig:
             return width * (q + 2 * kv) + q * H + 3 * H * self.intermediate_size + norms * H
 
         n_aux = len(self.aux_layer_ids)
-        return (n_aux * H * H + (n_aux * H if self.fc_norm else 0) + layer(2 * H, 3)
-                + (self.num_hidden_layers - 1) * layer(H, 2) + H + self.draft_vocab_size * H)
+        return (
+            n_aux * H * H
+            + (n_aux * H if self.fc_norm else 0)
+            + layer(2 * H, 3)
+            + (self.num_hidden_layers - 1) * layer(H, 2)
+            + H
+            + self.draft_vocab_size * H
+        )
 
     def key_fields(self) -> dict:
         """The fields that identify a training run: all of them, less the norm options that are off, so
@@ -139,11 +147,17 @@ class DraftConfig:
         from transformers import LlamaConfig
 
         return LlamaConfig(
-            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim, num_hidden_layers=self.num_hidden_layers, vocab_size=self.vocab_size,
-            rms_norm_eps=self.rms_norm_eps, rope_parameters=dict(self.rope_parameters),
-            max_position_embeddings=self.max_position_embeddings, hidden_act=self.hidden_act,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            num_hidden_layers=self.num_hidden_layers,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=dict(self.rope_parameters),
+            max_position_embeddings=self.max_position_embeddings,
+            hidden_act=self.hidden_act,
         )
 
 
@@ -302,8 +316,9 @@ class Eagle3Draft(nn.Module):
 
     # ---- step-by-step decoding with a KV cache (the engine's way) --------------------------------
 
-    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-             cache: "KVCache") -> torch.Tensor:
+    def step(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: "KVCache"
+    ) -> torch.Tensor:
         """One draft forward over new tokens, attending to the cache plus causally to themselves.
 
         Returns the last layer's pre-norm h [B,T,H]; every layer's cache grows by T. `hidden` is
@@ -321,8 +336,7 @@ class Eagle3Draft(nn.Module):
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors under the export contract's names (no embedding, no rotary buffers)."""
-        return {k: v for k, v in self.state_dict().items()
-                if not k.startswith(("embed_tokens.", "rotary."))}
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens.", "rotary."))}
 
     def load_export_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         missing, unexpected = self.load_state_dict(tensors, strict=False)

@@ -8,15 +8,20 @@ from pathlib import Path
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "eval", help="measure a draft's acceptance length (reference decoder or real vLLM)",
+        "eval",
+        help="measure a draft's acceptance length (reference decoder or real vLLM)",
         description="Decode PROMPTS with the target and the exported draft and report acceptance length "
-                    "(1 + accepted/drafts), per-position acceptance and tokens/s with and without the draft. "
-                    "engine=reference: a PyTorch speculative decoder (output equals the target's own); "
-                    "engine=vllm: the real vLLM engine in a subprocess, read from its spec-decode metrics.")
+        "(1 + accepted/drafts), per-position acceptance and tokens/s with and without the draft. "
+        "engine=reference: a PyTorch speculative decoder (output equals the target's own); "
+        "engine=vllm: the real vLLM engine in a subprocess, read from its spec-decode metrics.",
+    )
     p.add_argument("draft_dir", type=Path, help="folder written by `nestling export`")
     p.add_argument("--target", required=True, help="the target: HF folder or .gguf (must be the draft's own target)")
-    p.add_argument("--prompts", required=True,
-                   help="JSONL with 'messages' or 'prompt' per line, or a `nestling data` folder (its held-out split)")
+    p.add_argument(
+        "--prompts",
+        required=True,
+        help="JSONL with 'messages' or 'prompt' per line, or a `nestling data` folder (its held-out split)",
+    )
     p.add_argument("--out", type=Path, required=True, help="folder for report.json, report.md, acceptance.png")
     p.add_argument("--k", type=int, default=None, help="draft tokens per target forward (default 3)")
     p.add_argument("--engine", choices=["reference", "vllm", "both"], default=None, help="default reference")
@@ -34,9 +39,17 @@ def _run(args: argparse.Namespace) -> int:
     from nestling.evaluate.run import evaluate
     from nestling.evaluate.settings import EvalSettings
 
-    s = load_settings(EvalSettings, args.config, args.overrides, k=args.k, engine=args.engine,
-                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      max_prompts=args.max_prompts, device=args.device)
+    s = load_settings(
+        EvalSettings,
+        args.config,
+        args.overrides,
+        k=args.k,
+        engine=args.engine,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        max_prompts=args.max_prompts,
+        device=args.device,
+    )
     evaluate(args.draft_dir, args.target, args.prompts, args.out, s)
     print(args.out / "report.md")
     return 0

@@ -35,19 +35,23 @@ def load_prompts(source: str | Path, tokenizer, limit: int | None = None) -> lis
         try:
             text = src.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
-            raise NestlingError(f"prompts file {src} is not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
-                                "save it as UTF-8") from None
+            raise NestlingError(
+                f"prompts file {src} is not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                "save it as UTF-8"
+            ) from None
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise NestlingError(f"{src}:{n} is not valid JSON ({e.msg}); each line must be an object with "
-                                    f"'messages' or 'prompt'") from None
+                raise NestlingError(
+                    f"{src}:{n} is not valid JSON ({e.msg}); each line must be an object with 'messages' or 'prompt'"
+                ) from None
             except RecursionError:
-                raise NestlingError(f"{src}:{n} is nested too deeply to parse; each line must be an object with "
-                                    f"'messages' or 'prompt'") from None
+                raise NestlingError(
+                    f"{src}:{n} is nested too deeply to parse; each line must be an object with 'messages' or 'prompt'"
+                ) from None
             if isinstance(rec, dict) and isinstance(rec.get("messages"), list) and rec["messages"]:
                 msgs = [m for m in rec["messages"] if isinstance(m, dict)]
                 while msgs and msgs[-1].get("role") == "assistant":  # evaluate the reply to the last user turn
@@ -57,7 +61,9 @@ def load_prompts(source: str | Path, tokenizer, limit: int | None = None) -> lis
             elif isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and rec["prompt"].strip():
                 msgs = [{"role": "user", "content": rec["prompt"]}]
             else:
-                raise NestlingError(f"{src}:{n}: expected an object with a non-empty 'messages' list or 'prompt' string")
+                raise NestlingError(
+                    f"{src}:{n}: expected an object with a non-empty 'messages' list or 'prompt' string"
+                )
             ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)
             prompts.append(list(ids["input_ids"]))
     if not prompts:

@@ -8,18 +8,25 @@ from nestling.manifest import atomic_write_json
 
 
 def markdown(report: dict) -> str:
-    rows = ["| engine | acceptance length | " + " | ".join(f"pos {i + 1}" for i in range(report["k"]))
-            + " | tok/s draft | tok/s target alone | speedup | greedy identical |",
-            "|---|---|" + "---|" * report["k"] + "---|---|---|---|"]
+    rows = [
+        "| engine | acceptance length | "
+        + " | ".join(f"pos {i + 1}" for i in range(report["k"]))
+        + " | tok/s draft | tok/s target alone | speedup | greedy identical |",
+        "|---|---|" + "---|" * report["k"] + "---|---|---|---|",
+    ]
     for name, r in report["engines"].items():
         pos = " | ".join(f"{p:.3f}" for p in r["per_position"])
         same = r.get("identical_share")
-        rows.append(f"| {name} | {r['acceptance_length']:.3f} | {pos} | {r['tokens_per_s']:.1f} | "
-                    f"{r.get('baseline_tokens_per_s', float('nan')):.1f} | {r.get('speedup', float('nan')):.2f} | "
-                    f"{'-' if same is None else f'{100 * same:.0f}%'} |")
-    head = (f"# nestling eval\n\ndraft `{report['draft']}` on target `{report['target']}`, k={report['k']}, "
-            f"{report['num_prompts']} prompts, {report['max_new_tokens']} new tokens max, "
-            f"temperature {report['temperature']}\n\n")
+        rows.append(
+            f"| {name} | {r['acceptance_length']:.3f} | {pos} | {r['tokens_per_s']:.1f} | "
+            f"{r.get('baseline_tokens_per_s', float('nan')):.1f} | {r.get('speedup', float('nan')):.2f} | "
+            f"{'-' if same is None else f'{100 * same:.0f}%'} |"
+        )
+    head = (
+        f"# nestling eval\n\ndraft `{report['draft']}` on target `{report['target']}`, k={report['k']}, "
+        f"{report['num_prompts']} prompts, {report['max_new_tokens']} new tokens max, "
+        f"temperature {report['temperature']}\n\n"
+    )
     return head + "\n".join(rows) + "\n"
 
 

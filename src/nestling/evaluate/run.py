@@ -26,8 +26,9 @@ def _eos_ids(target: Path, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def run_reference(target: Path, draft_dir: Path, prompts: list[list[int]], s: EvalSettings,
-                  aux_layer_ids: list[int] | None = None) -> dict:
+def run_reference(
+    target: Path, draft_dir: Path, prompts: list[list[int]], s: EvalSettings, aux_layer_ids: list[int] | None = None
+) -> dict:
     """The PyTorch reference decoder over all prompts (and the target alone for the baseline)."""
     import torch
 
@@ -52,10 +53,14 @@ def run_reference(target: Path, draft_dir: Path, prompts: list[list[int]], s: Ev
             base_s += dt
         prog.update(1, tokens=len(o), acc_len=total.acceptance_length)
     r = {
-        "acceptance_length": total.acceptance_length, "per_position": total.per_position,
-        "num_drafts": total.num_drafts, "num_draft_tokens": total.num_draft_tokens,
-        "num_accepted_tokens": total.num_accepted_tokens, "accepted_per_pos": total.accepted_per_pos,
-        "tokens": total.new_tokens, "seconds": total.seconds,
+        "acceptance_length": total.acceptance_length,
+        "per_position": total.per_position,
+        "num_drafts": total.num_drafts,
+        "num_draft_tokens": total.num_draft_tokens,
+        "num_accepted_tokens": total.num_accepted_tokens,
+        "accepted_per_pos": total.accepted_per_pos,
+        "tokens": total.new_tokens,
+        "seconds": total.seconds,
         "tokens_per_s": total.new_tokens / max(total.seconds, 1e-9),
         "mean_tokens_per_target_forward": total.new_tokens / max(total.target_forwards, 1),
         "outputs": outs,
@@ -78,11 +83,33 @@ def run_vllm_engine(target: Path, draft_dir: Path, prompts: list[list[int]], s: 
 
     # vLLM refuses a prompt longer than its context: grow the setting to fit the longest prompt.
     need = max((len(p) for p in prompts), default=0) + s.max_new_tokens + s.k + 1
-    res = run_vllm(target, draft_dir, prompts, s.k, s.max_new_tokens, s.temperature, s.dtype,
-                   max(s.max_model_len, need), s.seed, s.baseline)
+    res = run_vllm(
+        target,
+        draft_dir,
+        prompts,
+        s.k,
+        s.max_new_tokens,
+        s.temperature,
+        s.dtype,
+        max(s.max_model_len, need),
+        s.seed,
+        s.baseline,
+    )
     d = res["drafts"][0]
-    r = {k: d[k] for k in ("acceptance_length", "per_position", "num_drafts", "num_draft_tokens",
-                           "num_accepted_tokens", "accepted_per_pos", "outputs", "seconds", "tokens")}
+    r = {
+        k: d[k]
+        for k in (
+            "acceptance_length",
+            "per_position",
+            "num_drafts",
+            "num_draft_tokens",
+            "num_accepted_tokens",
+            "accepted_per_pos",
+            "outputs",
+            "seconds",
+            "tokens",
+        )
+    }
     r["tokens_per_s"] = d["tokens"] / max(d["seconds"], 1e-9)
     if "baseline" in res:
         b = res["baseline"]
@@ -90,8 +117,13 @@ def run_vllm_engine(target: Path, draft_dir: Path, prompts: list[list[int]], s: 
     return r
 
 
-def evaluate(draft_dir: str | Path, target: str | Path, prompts: str | Path, out: str | Path,
-             settings: EvalSettings | None = None) -> dict:
+def evaluate(
+    draft_dir: str | Path,
+    target: str | Path,
+    prompts: str | Path,
+    out: str | Path,
+    settings: EvalSettings | None = None,
+) -> dict:
     """Evaluate `draft_dir` on `target` over `prompts`; writes report.json/.md, acceptance.png, manifest."""
     from nestling.export.run import check_draft_matches_target
     from nestling.targets.load import resolve_target
@@ -123,15 +155,30 @@ def _evaluate(draft_dir: Path, target_dir: Path, prompts: str | Path, out: Path,
             raise NestlingError(
                 f"eval ({name}): nothing was drafted over {len(ids)} prompt(s), so there is no acceptance to report; "
                 "every generation ended before a draft step (the target stops at once, or the prompts fill the "
-                "context): check the prompts file and max_new_tokens / max_model_len")
-    report = {"draft": str(draft_dir), "target": str(target_dir), "k": s.k, "num_prompts": len(ids),
-              "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "settings": to_dict(s),
-              "engines": engines}
+                "context): check the prompts file and max_new_tokens / max_model_len"
+            )
+    report = {
+        "draft": str(draft_dir),
+        "target": str(target_dir),
+        "k": s.k,
+        "num_prompts": len(ids),
+        "max_new_tokens": s.max_new_tokens,
+        "temperature": s.temperature,
+        "settings": to_dict(s),
+        "engines": engines,
+    }
     (out / MANIFEST).unlink(missing_ok=True)  # an earlier report's: incomplete until the new one is written
     write_report(report, out)
     for name, r in engines.items():
-        log(f"[eval] {name}: acceptance length {r['acceptance_length']:.3f}, per position "
-            f"{', '.join(f'{p:.2f}' for p in r['per_position'])}, {r['tokens_per_s']:.1f} tok/s")
-    write_manifest(out, "eval", to_dict(s), inputs={"target": target_fingerprint(target_dir), "draft": str(draft_dir)},
-                   summary={n: {"acceptance_length": r["acceptance_length"]} for n, r in engines.items()})
+        log(
+            f"[eval] {name}: acceptance length {r['acceptance_length']:.3f}, per position "
+            f"{', '.join(f'{p:.2f}' for p in r['per_position'])}, {r['tokens_per_s']:.1f} tok/s"
+        )
+    write_manifest(
+        out,
+        "eval",
+        to_dict(s),
+        inputs={"target": target_fingerprint(target_dir), "draft": str(draft_dir)},
+        summary={n: {"acceptance_length": r["acceptance_length"]} for n, r in engines.items()},
+    )
     return report

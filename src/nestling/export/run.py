@@ -35,18 +35,23 @@ def check_target(train_dir: Path, manifest: dict, cfg: DraftConfig, override: st
     if not name:
         raise NestlingError(f"{train_dir}/manifest.json names no target; pass target=PATH")
     if not Path(str(name)).exists():
-        raise NestlingError(f"the target this draft was trained on, {name}, is not there; "
-                            f"pass target=PATH (e.g. `nestling export {train_dir} --out DIR target=PATH`)")
+        raise NestlingError(
+            f"the target this draft was trained on, {name}, is not there; "
+            f"pass target=PATH (e.g. `nestling export {train_dir} --out DIR target=PATH`)"
+        )
     path = resolve_target(name)
     want = (manifest.get("inputs") or {}).get("target") or cfg.target_fingerprint
     have = target_fingerprint(path)
     if not want:
-        raise NestlingError(f"{train_dir}/manifest.json has no target fingerprint (inputs.target); cannot verify the checkpoint")
+        raise NestlingError(
+            f"{train_dir}/manifest.json has no target fingerprint (inputs.target); cannot verify the checkpoint"
+        )
     if have != want:
         raise NestlingError(
             f"the checkpoint in {train_dir} was trained on a target with fingerprint {want}, but {path} has "
             f"fingerprint {have} (different config or weights). Export with the target it was trained on "
-            f"(target=PATH), or retrain on this one.")
+            f"(target=PATH), or retrain on this one."
+        )
     return path
 
 
@@ -56,7 +61,9 @@ def load_trained(train_dir: Path, checkpoint: str | None) -> tuple[DraftConfig, 
     cfg = DraftConfig.load(train_dir / "draft_config.json")
     weights = Path(checkpoint) / "model.safetensors" if checkpoint else train_dir / "model.safetensors"
     if not weights.exists():
-        raise NestlingError(f"{weights} is missing: training has not written a final model (run `nestling train` to the end)")
+        raise NestlingError(
+            f"{weights} is missing: training has not written a final model (run `nestling train` to the end)"
+        )
     tensors = load_file(str(weights))
     vocab = train_dir / "vocab.safetensors"
     if vocab.exists():  # the vocabulary file is authoritative when both are present
@@ -74,14 +81,25 @@ def export(train_dir: str | Path, out: str | Path, settings: ExportSettings | No
     manifest = read_manifest(train_dir, "train")
     cfg, tensors = load_trained(train_dir, settings.checkpoint)
     target = check_target(train_dir, manifest, cfg, settings.target)
-    inputs = [("training folder", train_dir), ("target", target), ("target", settings.target),
-              ("checkpoint", settings.checkpoint)]
+    inputs = [
+        ("training folder", train_dir),
+        ("target", target),
+        ("target", settings.target),
+        ("checkpoint", settings.checkpoint),
+    ]
     with outdir.claim(out, "export", inputs):
         return _export(train_dir, out, settings, manifest, cfg, tensors, target)
 
 
-def _export(train_dir: Path, out: Path, settings: ExportSettings, manifest: dict, cfg: DraftConfig,
-            tensors: dict[str, torch.Tensor], target: Path) -> Path:
+def _export(
+    train_dir: Path,
+    out: Path,
+    settings: ExportSettings,
+    manifest: dict,
+    cfg: DraftConfig,
+    tensors: dict[str, torch.Tensor],
+    target: Path,
+) -> Path:
     if not cfg.target_fingerprint:
         cfg.target_fingerprint = manifest["inputs"]["target"]
     dtype = contract.FLOAT_DTYPES[settings.dtype]
@@ -94,8 +112,9 @@ def _export(train_dir: Path, out: Path, settings: ExportSettings, manifest: dict
     if settings.format == "speculators":
         from nestling.export.speculators import speculators_config
 
-        config = speculators_config(native, str(target.resolve()), target_cfg.get("architectures") or [],
-                                    settings.num_speculative_tokens)
+        config = speculators_config(
+            native, str(target.resolve()), target_cfg.get("architectures") or [], settings.num_speculative_tokens
+        )
     else:
         config = native
 
@@ -114,14 +133,20 @@ def _export(train_dir: Path, out: Path, settings: ExportSettings, manifest: dict
         if build.exists():
             shutil.rmtree(build)
     write_manifest(
-        out, "export", to_dict(settings),
+        out,
+        "export",
+        to_dict(settings),
         inputs={"target": cfg.target_fingerprint, "train": hash_files([train_dir / "manifest.json"])},
-        target=str(target), format=settings.format, aux_layer_ids=list(cfg.aux_layer_ids),
+        target=str(target),
+        format=settings.format,
+        aux_layer_ids=list(cfg.aux_layer_ids),
         vllm_layer_ids=vllm_layer_ids(cfg.aux_layer_ids),
         sglang_layer_ids=sglang_layer_ids(cfg.aux_layer_ids),
     )
-    log(f"[export] wrote {settings.format} draft to {out} (aux layers: nestling/vLLM {cfg.aux_layer_ids}, "
-        f"SGLang {sglang_layer_ids(cfg.aux_layer_ids)})")
+    log(
+        f"[export] wrote {settings.format} draft to {out} (aux layers: nestling/vLLM {cfg.aux_layer_ids}, "
+        f"SGLang {sglang_layer_ids(cfg.aux_layer_ids)})"
+    )
     return out
 
 
@@ -140,8 +165,11 @@ def verify(folder: Path, cfg: DraftConfig, dtype: torch.dtype) -> None:
     layer = raw.get("transformer_layer_config", raw)
     if "speculators_config" in raw:
         top = ("draft_vocab_size", "eagle_aux_hidden_state_layer_ids", *NORM_OPTIONS)
-        contract.check_native_config({**layer, **{k: raw[k] for k in top if k in raw},
-                                      "architectures": [contract.ARCHITECTURE]}, cfg, str(folder / contract.CONFIG))
+        contract.check_native_config(
+            {**layer, **{k: raw[k] for k in top if k in raw}, "architectures": [contract.ARCHITECTURE]},
+            cfg,
+            str(folder / contract.CONFIG),
+        )
     else:
         contract.check_native_config(raw, cfg, str(folder / contract.CONFIG))
     if reread.aux_layer_ids != list(cfg.aux_layer_ids):
@@ -160,5 +188,7 @@ def check_draft_matches_target(draft_dir: Path, target: str | Path) -> None:
         raise NestlingError(f"{draft_dir} carries no target fingerprint (not exported by nestling?)")
     have = target_fingerprint(target)
     if want != have:
-        raise NestlingError(f"the draft in {draft_dir} was trained for a target with fingerprint {want}, "
-                            f"but --target {target} has fingerprint {have}; evaluate it with its own target.")
+        raise NestlingError(
+            f"the draft in {draft_dir} was trained for a target with fingerprint {want}, "
+            f"but --target {target} has fingerprint {have}; evaluate it with its own target."
+        )

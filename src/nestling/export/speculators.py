@@ -17,9 +17,19 @@ from nestling.draft.model import NORM_OPTIONS
 
 
 def speculators_config(native: dict, target: str, target_architectures: list[str], num_speculative_tokens: int) -> dict:
-    layer = {k: v for k, v in native.items()
-             if k not in ("architectures", "eagle_aux_hidden_state_layer_ids", "draft_vocab_size",
-                          "target_hidden_size", "nestling", *NORM_OPTIONS)}
+    layer = {
+        k: v
+        for k, v in native.items()
+        if k
+        not in (
+            "architectures",
+            "eagle_aux_hidden_state_layer_ids",
+            "draft_vocab_size",
+            "target_hidden_size",
+            "nestling",
+            *NORM_OPTIONS,
+        )
+    }
     layer["architectures"] = ["LlamaForCausalLM"]
     return {
         "architectures": ["Eagle3Speculator"],
@@ -33,10 +43,14 @@ def speculators_config(native: dict, target: str, target_architectures: list[str
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
-            "proposal_methods": [{
-                "proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens),
-                "verifier_accept_k": 1, "accept_tolerance": 0.0,
-            }],
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": int(num_speculative_tokens),
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
             "verifier": {"name_or_path": str(target), "architectures": list(target_architectures)},
         },
         # kept at the top level too so one reader (contract.read_draft_folder) serves both layouts

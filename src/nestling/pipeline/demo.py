@@ -41,8 +41,10 @@ def read_report(eval_dir: Path) -> dict:
 
 def serve_command(target: str, draft: Path, k: int) -> str:
     spec = json.dumps({"method": "eagle3", "model": str(draft), "num_speculative_tokens": k})
-    return (f"python -m vllm.entrypoints.openai.api_server --model {shlex.quote(str(target))} "
-            f"--speculative-config {shlex.quote(spec)}")
+    return (
+        f"python -m vllm.entrypoints.openai.api_server --model {shlex.quote(str(target))} "
+        f"--speculative-config {shlex.quote(spec)}"
+    )
 
 
 def summary(run_dir: Path, target: str, k: int) -> str:
@@ -55,8 +57,10 @@ def summary(run_dir: Path, target: str, k: int) -> str:
     for engine, value in acc.items():
         lines.append(f"acceptance length ({engine}, K={k}): {value:.3f}")
     if acc:  # the figure alone means little to a new user: say what it is measured against
-        lines.append(f"  = tokens per target forward with this draft; no speculation gives 1.000, a perfect "
-                     f"draft {k + 1:.3f} (K + 1); serving speed-up is roughly this figure minus the draft's cost")
+        lines.append(
+            f"  = tokens per target forward with this draft; no speculation gives 1.000, a perfect "
+            f"draft {k + 1:.3f} (K + 1); serving speed-up is roughly this figure minus the draft's cost"
+        )
     if plot.exists():
         lines.append(f"per-position acceptance plot: {plot}")
     lines.append(f"draft folder: {run_dir / 'export'}")

@@ -27,22 +27,46 @@ MIN_FREE = 2 * 2**30
 
 # A few short conversations (ShareGPT layout) so the doctor's dry run needs no data download.
 CONVERSATIONS = [
-    {"conversations": [
-        {"from": "human", "value": "What is speculative decoding, in one sentence?"},
-        {"from": "gpt", "value": "A small draft model guesses the next few tokens and the large model checks them all "
-                                 "in one forward pass, so the output is unchanged but arrives faster."}]},
-    {"conversations": [
-        {"from": "human", "value": "Write a haiku about compilers."},
-        {"from": "gpt", "value": "Tokens fall like rain,\nparsed trees grow in silent rows,\nmachine code at dawn."},
-        {"from": "human", "value": "Now one about linkers."},
-        {"from": "gpt", "value": "Symbols seek their homes,\naddresses stitched into one,\nthe binary wakes."}]},
-    {"conversations": [
-        {"from": "human", "value": "Give me three uses of a hash map."},
-        {"from": "gpt", "value": "1. Counting word frequencies.\n2. Caching results of expensive calls.\n"
-                                 "3. Indexing records by a unique key for fast lookup."}]},
-    {"conversations": [
-        {"from": "human", "value": "How do I reverse a list in Python?"},
-        {"from": "gpt", "value": "Use `items.reverse()` to reverse in place, or `items[::-1]` for a reversed copy."}]},
+    {
+        "conversations": [
+            {"from": "human", "value": "What is speculative decoding, in one sentence?"},
+            {
+                "from": "gpt",
+                "value": "A small draft model guesses the next few tokens and the large model checks them all "
+                "in one forward pass, so the output is unchanged but arrives faster.",
+            },
+        ]
+    },
+    {
+        "conversations": [
+            {"from": "human", "value": "Write a haiku about compilers."},
+            {
+                "from": "gpt",
+                "value": "Tokens fall like rain,\nparsed trees grow in silent rows,\nmachine code at dawn.",
+            },
+            {"from": "human", "value": "Now one about linkers."},
+            {"from": "gpt", "value": "Symbols seek their homes,\naddresses stitched into one,\nthe binary wakes."},
+        ]
+    },
+    {
+        "conversations": [
+            {"from": "human", "value": "Give me three uses of a hash map."},
+            {
+                "from": "gpt",
+                "value": "1. Counting word frequencies.\n2. Caching results of expensive calls.\n"
+                "3. Indexing records by a unique key for fast lookup.",
+            },
+        ]
+    },
+    {
+        "conversations": [
+            {"from": "human", "value": "How do I reverse a list in Python?"},
+            {
+                "from": "gpt",
+                "value": "Use `items.reverse()` to reverse in place, or `items[::-1]` for a reversed copy.",
+            },
+        ]
+    },
 ]
 
 
@@ -65,8 +89,14 @@ def check_versions() -> list[tuple[str, str, str]]:
         v = _version(name)
         if v is None:
             status = "warn" if name == "vllm" else "FAIL"
-            out.append((status, name, f"not installed (supported {spec}; tested {tested})"
-                        + ("; eval --engine vllm and the vLLM reload check are skipped" if name == "vllm" else "")))
+            out.append(
+                (
+                    status,
+                    name,
+                    f"not installed (supported {spec}; tested {tested})"
+                    + ("; eval --engine vllm and the vLLM reload check are skipped" if name == "vllm" else ""),
+                )
+            )
             continue
         base = Version(v.split("+")[0])
         ok = base in SpecifierSet(spec)
@@ -108,7 +138,9 @@ def doctor(dry_run: bool = True, scratch: Path | None = None) -> int:
     if dry_run:
         try:
             report = doctor_dry_run(scratch)
-            print(f"[  ok] dry run        every stage ran in {report['dry_run_s']:.0f}s ({report['scratch']})", flush=True)
+            print(
+                f"[  ok] dry run        every stage ran in {report['dry_run_s']:.0f}s ({report['scratch']})", flush=True
+            )
         except NestlingError as e:
             print(f"[FAIL] dry run        {e}", flush=True)
             failed = True
@@ -129,10 +161,17 @@ def doctor_dry_run(scratch: Path | None = None) -> dict:
     scratch.mkdir(parents=True, exist_ok=True)
     chat = scratch / "conversations.json"
     chat.write_text(json.dumps(CONVERSATIONS))
-    config = load_run_config(None, STAGES, base_data={
-        "target": str(target), "inputs": [str(chat)], "run_dir": str(scratch / "run"),
-        "data": {"held_out": 0.5}, "capture": {"dtype": "float32"},
-        "train": {"online": False},  # every stage runs, capture included (online skips it)
-    })
+    config = load_run_config(
+        None,
+        STAGES,
+        base_data={
+            "target": str(target),
+            "inputs": [str(chat)],
+            "run_dir": str(scratch / "run"),
+            "data": {"held_out": 0.5},
+            "capture": {"dtype": "float32"},
+            "train": {"online": False},  # every stage runs, capture included (online skips it)
+        },
+    )
     print(f"[....] dry run        tiny Llama target {target}, python {sys.version.split()[0]}", flush=True)
     return dry_run(config, stages=STAGES)

@@ -58,8 +58,10 @@ def preflight(config: RunConfig, target: str) -> None:
     """Checks that need only the config and the target's config.json: fail before any weights load."""
     data, ev = config.settings.get("data"), config.settings.get("eval")
     if ev is not None and config.prompts is None and data is not None and not _get(data, "held_out", default=0.0):
-        raise NestlingError("eval has no prompts: the data stage holds none out (data.held_out is 0). Set "
-                            "data.held_out (e.g. 0.02) or give a prompts: file (JSONL with 'messages' or 'prompt').")
+        raise NestlingError(
+            "eval has no prompts: the data stage holds none out (data.held_out is 0). Set "
+            "data.held_out (e.g. 0.02) or give a prompts: file (JSONL with 'messages' or 'prompt')."
+        )
     cap = config.settings.get("capture")
     layers = getattr(cap, "layers", None) if cap is not None else None
     if layers:
@@ -74,8 +76,14 @@ def _measure(run_dir: Path, stage: str) -> Measured:
     prog = read_progress(run_dir, stage) or {}
     manifest_path = run_dir / stage / MANIFEST
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
-    return Measured(float(state.get("wall_s", 0.0)), folder_bytes(run_dir / stage), int(prog.get("tokens") or 0),
-                    float(prog.get("elapsed_s") or 0.0), manifest, run_dir / stage)
+    return Measured(
+        float(state.get("wall_s", 0.0)),
+        folder_bytes(run_dir / stage),
+        int(prog.get("tokens") or 0),
+        float(prog.get("elapsed_s") or 0.0),
+        manifest,
+        run_dir / stage,
+    )
 
 
 def _scaled_time(m: Measured, tokens: float, dry_tokens: float) -> float:
@@ -126,19 +134,29 @@ def full_data_tokens(config: RunConfig, dry: dict[str, Measured], real_run_dir: 
     held = float(_get(ds, "held_out", default=0.0) or 0.0)
     n_held = int(round(n * held))
     per, per_sup = tok / samples, sup / samples
-    out = {"train": {"samples": n - n_held, "tokens": int((n - n_held) * per), "supervised_tokens": int((n - n_held) * per_sup)}}
+    out = {
+        "train": {
+            "samples": n - n_held,
+            "tokens": int((n - n_held) * per),
+            "supervised_tokens": int((n - n_held) * per_sup),
+        }
+    }
     if n_held:
         out["heldout"] = {"samples": n_held, "tokens": int(n_held * per), "supervised_tokens": int(n_held * per_sup)}
     return out, f"estimated: {n:,} conversations x the {samples} sampled"
 
 
-def estimate(config: RunConfig, stages: Sequence[Stage], dry: dict[str, Measured], real_run_dir: Path) -> list[Estimate]:
+def estimate(
+    config: RunConfig, stages: Sequence[Stage], dry: dict[str, Measured], real_run_dir: Path
+) -> list[Estimate]:
     """Per-stage tokens, disk and time of the full run, from the dry run's measured rates."""
     have_data = "data" in dry and dry["data"].manifest
     out: list[Estimate] = []
     splits, how = full_data_tokens(config, dry, real_run_dir) if have_data else ({}, "")
     T = sum(v["tokens"] for v in splits.values())
-    T_dry = sum(int(v.get("tokens", 0)) for v in (dry["data"].manifest.get("splits") or {}).values()) if have_data else 0
+    T_dry = (
+        sum(int(v.get("tokens", 0)) for v in (dry["data"].manifest.get("splits") or {}).values()) if have_data else 0
+    )
     for stage in enabled_stages(config, stages):
         m = dry.get(stage.name)
         if m is None:
@@ -159,7 +177,7 @@ def estimate(config: RunConfig, stages: Sequence[Stage], dry: dict[str, Measured
                 batch = _get(s, "batch_tokens")
                 per_step = float(batch) * int(_get(s, "grad_accum", default=1)) if batch else per_step
                 work = int(steps * per_step) if per_step else 0
-                secs = (_scaled_time(m, work, m.tokens) if per_step else m.wall_s * steps / dry_steps)
+                secs = _scaled_time(m, work, m.tokens) if per_step else m.wall_s * steps / dry_steps
                 note = f"{steps} steps"
             else:
                 work = int(float(epochs or 1) * train_tokens)
@@ -208,11 +226,15 @@ def dry_settings_of(stage: Stage, settings: Any) -> Any:
 def format_estimates(ests: list[Estimate], free: int, where: Path) -> str:
     lines = [f"{'stage':<11}{'tokens':>14}{'disk':>12}{'time':>11}  how"]
     for e in ests:
-        lines.append(f"{e.stage:<11}{e.tokens:>14,}{format_bytes(e.disk_bytes):>12}{format_duration(e.seconds):>11}  {e.note}")
+        lines.append(
+            f"{e.stage:<11}{e.tokens:>14,}{format_bytes(e.disk_bytes):>12}{format_duration(e.seconds):>11}  {e.note}"
+        )
     total_disk = sum(e.disk_bytes for e in ests)
     total_s = sum(e.seconds for e in ests)
-    lines.append(f"{'total':<11}{'':>14}{format_bytes(total_disk):>12}{format_duration(total_s):>11}  "
-                 f"(free on {where}: {format_bytes(free)})")
+    lines.append(
+        f"{'total':<11}{'':>14}{format_bytes(total_disk):>12}{format_duration(total_s):>11}  "
+        f"(free on {where}: {format_bytes(free)})"
+    )
     return "\n".join(lines)
 
 
@@ -228,8 +250,10 @@ def dry_run(config: RunConfig, *, stages: Sequence[Stage] = STAGES, scratch: Pat
     scratch = Path(scratch) if scratch else real_run_dir / SCRATCH
     clear_run(scratch, stages)  # measured from scratch every time: a cached stage measures nothing
     active = enabled_stages(config, stages)
-    settings = {s.name: (None if config.settings.get(s.name) is None else dry_settings_of(s, config.settings[s.name]))
-                for s in stages}
+    settings = {
+        s.name: (None if config.settings.get(s.name) is None else dry_settings_of(s, config.settings[s.name]))
+        for s in stages
+    }
     prompts = config.prompts
     if prompts is None and "eval" in settings:  # the dry data stage has no held-out split
         scratch.mkdir(parents=True, exist_ok=True)
@@ -250,7 +274,8 @@ def dry_run(config: RunConfig, *, stages: Sequence[Stage] = STAGES, scratch: Pat
                 f"not enough disk for the full run: it needs about {format_bytes(need)} in {real_run_dir} but only "
                 f"{format_bytes(free)} is free (capture alone: "
                 f"{format_bytes(next((e.disk_bytes for e in ests if e.stage == 'capture'), 0))}). Free space, set "
-                f"run_dir to a larger disk, or capture fewer conversations (data.limit) or layers.\n{table}")
+                f"run_dir to a larger disk, or capture fewer conversations (data.limit) or layers.\n{table}"
+            )
         return need
 
     def after(outcome) -> None:
@@ -262,12 +287,21 @@ def dry_run(config: RunConfig, *, stages: Sequence[Stage] = STAGES, scratch: Pat
     measured = {s.name: _measure(scratch, s.name) for s in active}
     ests = estimate(config, stages, measured, real_run_dir)
     table = format_estimates(ests, free, real_run_dir)
-    report = {"dry_run_s": time.monotonic() - t0, "scratch": str(scratch), "free_bytes": free, "need_bytes": 0,
-              "stages": [dataclasses.asdict(e) for e in ests],
-              "measured": {k: {f: v for f, v in dataclasses.asdict(m).items() if f not in ("manifest", "dir")}
-                           for k, m in measured.items()}}
-    log(f"[dry-run] every stage ran on two samples in {format_duration(report['dry_run_s'])}. "
-        f"The full run (rates just measured):\n{table}")
+    report = {
+        "dry_run_s": time.monotonic() - t0,
+        "scratch": str(scratch),
+        "free_bytes": free,
+        "need_bytes": 0,
+        "stages": [dataclasses.asdict(e) for e in ests],
+        "measured": {
+            k: {f: v for f, v in dataclasses.asdict(m).items() if f not in ("manifest", "dir")}
+            for k, m in measured.items()
+        },
+    }
+    log(
+        f"[dry-run] every stage ran on two samples in {format_duration(report['dry_run_s'])}. "
+        f"The full run (rates just measured):\n{table}"
+    )
     report["need_bytes"] = check_disk(ests)
     atomic_write_json(scratch / "estimate.json", report)
     report["table"] = table

@@ -25,13 +25,21 @@ from nestling.manifest import FORMAT_VERSION, atomic_write_json, hash_bytes, has
 from nestling.outdir import RUN_FILE, check_apart, check_ours, lock, mark, owner, remove_owned
 from nestling.pipeline.settings import RunConfig, load_run_config, resolve_builtin
 from nestling.pipeline.stages import STAGES, Stage, StageContext, train_mode
-from nestling.pipeline.state import (RUN_LOG, progress_path, read_progress, read_state, state_path, tee_stderr,
-                                     write_state)
+from nestling.pipeline.state import (
+    RUN_LOG,
+    progress_path,
+    read_progress,
+    read_state,
+    state_path,
+    tee_stderr,
+    write_state,
+)
 from nestling.progress import PROGRESS_ENV, format_duration, log
 
 # Settings that change how fast or how loudly a stage runs, never what it produces.
-NOT_IN_KEY = frozenset({"progress_interval", "ignore_disk_check", "queue_size", "log_interval", "log_every",
-                        "num_workers", "workers"})
+NOT_IN_KEY = frozenset(
+    {"progress_interval", "ignore_disk_check", "queue_size", "log_interval", "log_every", "num_workers", "workers"}
+)
 
 
 @dataclass
@@ -85,8 +93,15 @@ def run_fingerprints(target: str, inputs: list[str], prompts: str | None) -> dic
 
 def stage_key(stage: Stage, settings: Any, previous: str, fingerprints: dict[str, str]) -> str:
     s = {k: v for k, v in to_dict(settings).items() if k not in NOT_IN_KEY}
-    return hash_json({"stage": stage.name, "format": FORMAT_VERSION, "settings": s, "previous": previous,
-                      "uses": {u: fingerprints[u] for u in stage.uses}})
+    return hash_json(
+        {
+            "stage": stage.name,
+            "format": FORMAT_VERSION,
+            "settings": s,
+            "previous": previous,
+            "uses": {u: fingerprints[u] for u in stage.uses},
+        }
+    )
 
 
 FOREIGN_FIX = "move those files elsewhere, or set run_dir to a new folder"
@@ -120,8 +135,14 @@ def check_run_dir(run_dir: Path, stages: Sequence[Stage], target: str, inputs: l
         check_apart(run_dir / stage.name, named, flag=f"the {stage.name} folder of run_dir")
 
 
-def run(config: RunConfig | str | Path, overrides: Sequence[str] = (), *, stages: Sequence[Stage] = STAGES,
-        dry_run: bool = False, **kw: Any) -> list[StageOutcome] | dict:
+def run(
+    config: RunConfig | str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    stages: Sequence[Stage] = STAGES,
+    dry_run: bool = False,
+    **kw: Any,
+) -> list[StageOutcome] | dict:
     """`nestling run` as a function: a RunConfig or a YAML path (+ `key=value` overrides). `dry_run`:
     two samples through every stage, then the full run's estimate (pipeline/dryrun.py); `kw` go to
     `run_config` (from_stage, force, until, header)."""
@@ -134,10 +155,17 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (), *, stages
     return run_config(config, stages=stages, **kw)
 
 
-def run_config(config: RunConfig, *, stages: Sequence[Stage] = STAGES, from_stage: str | None = None,
-               force: Sequence[str] = (), until: str | None = None, dry_run: bool = False,
-               header: str = "nestling run",
-               after_stage: Callable[[StageOutcome], None] | None = None) -> list[StageOutcome]:
+def run_config(
+    config: RunConfig,
+    *,
+    stages: Sequence[Stage] = STAGES,
+    from_stage: str | None = None,
+    force: Sequence[str] = (),
+    until: str | None = None,
+    dry_run: bool = False,
+    header: str = "nestling run",
+    after_stage: Callable[[StageOutcome], None] | None = None,
+) -> list[StageOutcome]:
     """Run (or continue) the pipeline of `config` in `config.run_dir`; returns what each stage did.
 
     `after_stage` is called after each stage (the dry run checks the disk as soon as capture is measured).
@@ -151,15 +179,33 @@ def run_config(config: RunConfig, *, stages: Sequence[Stage] = STAGES, from_stag
     names = [s.name for s in active]
     for flag, n in (("--from", from_stage), ("--until", until), *(("--force", f) for f in force)):
         if n and n not in names:
-            raise NestlingError(f"{flag} {n}: that stage is disabled in this config (add a '{n}:' section"
-                                + (", or set train.online: false)" if n == "capture" else ")"))
+            raise NestlingError(
+                f"{flag} {n}: that stage is disabled in this config (add a '{n}:' section"
+                + (", or set train.online: false)" if n == "capture" else ")")
+            )
     fingerprints = run_fingerprints(target, inputs, prompts)
     run_dir = Path(config.run_dir)
     check_run_dir(run_dir, active, target, inputs, prompts)
     run_dir.mkdir(parents=True, exist_ok=True)
     with run_lock(run_dir):
-        return _run(config, active, names, stages, from_stage, force, until, dry_run, header, after_stage,
-                    target, inputs, prompts, fingerprints, run_dir, mode_note)
+        return _run(
+            config,
+            active,
+            names,
+            stages,
+            from_stage,
+            force,
+            until,
+            dry_run,
+            header,
+            after_stage,
+            target,
+            inputs,
+            prompts,
+            fingerprints,
+            run_dir,
+            mode_note,
+        )
 
 
 @contextmanager
@@ -169,10 +215,28 @@ def run_lock(run_dir: Path) -> Iterator[None]:
         yield
 
 
-def _run(config, active, names, stages, from_stage, force, until, dry_run, header, after_stage,
-         target, inputs, prompts, fingerprints, run_dir, mode_note=None) -> list[StageOutcome]:
-    atomic_write_json(run_dir / RUN_FILE, {"stages": names, "config": config.to_dict(), "target": target,
-                                           "inputs": inputs, "fingerprints": fingerprints})
+def _run(
+    config,
+    active,
+    names,
+    stages,
+    from_stage,
+    force,
+    until,
+    dry_run,
+    header,
+    after_stage,
+    target,
+    inputs,
+    prompts,
+    fingerprints,
+    run_dir,
+    mode_note=None,
+) -> list[StageOutcome]:
+    atomic_write_json(
+        run_dir / RUN_FILE,
+        {"stages": names, "config": config.to_dict(), "target": target, "inputs": inputs, "fingerprints": fingerprints},
+    )
     redo_from = names.index(from_stage) if from_stage else len(names)
     outcomes: list[StageOutcome] = []
     previous = ""
@@ -194,26 +258,53 @@ def _run(config, active, names, stages, from_stage, force, until, dry_run, heade
             else:
                 action = "resumed" if same and not redo and out.exists() else "ran"
                 if action == "ran":
-                    why = ("forced" if redo else "settings or inputs changed" if state else "first run")
+                    why = "forced" if redo else "settings or inputs changed" if state else "first run"
                     clear_stage(run_dir, stage)
                     log(f"[run] {stage.name}: starting ({why}; key {key})")
                 else:
                     log(f"[run] {stage.name}: resuming the interrupted run in {out} (key {key})")
-                outcomes.append(_run_stage(stage, settings, key, action, run_dir, out, target, inputs, prompts,
-                                           tuple(names), dry_run, state))
+                outcomes.append(
+                    _run_stage(
+                        stage,
+                        settings,
+                        key,
+                        action,
+                        run_dir,
+                        out,
+                        target,
+                        inputs,
+                        prompts,
+                        tuple(names),
+                        dry_run,
+                        state,
+                    )
+                )
             if after_stage is not None:
                 after_stage(outcomes[-1])
             if stage.name == until:
                 log(f"[run] stopping after {until} (--until)")
                 break
-        log(f"[run] done in {format_duration(time.monotonic() - t_run)}: "
-            + ", ".join(f"{o.name} {o.action}" for o in outcomes))
+        log(
+            f"[run] done in {format_duration(time.monotonic() - t_run)}: "
+            + ", ".join(f"{o.name} {o.action}" for o in outcomes)
+        )
     return outcomes
 
 
-def _run_stage(stage: Stage, settings: Any, key: str, action: str, run_dir: Path, out: Path, target: str,
-               inputs: list[str], prompts: str | None, names: tuple[str, ...], dry_run: bool,
-               old: dict | None) -> StageOutcome:
+def _run_stage(
+    stage: Stage,
+    settings: Any,
+    key: str,
+    action: str,
+    run_dir: Path,
+    out: Path,
+    target: str,
+    inputs: list[str],
+    prompts: str | None,
+    names: tuple[str, ...],
+    dry_run: bool,
+    old: dict | None,
+) -> StageOutcome:
     started = time.time()
     # Wall time accumulates over resumed attempts so estimates and status see the whole cost.
     spent = 0.0
@@ -235,8 +326,15 @@ def _run_stage(stage: Stage, settings: Any, key: str, action: str, run_dir: Path
         result = stage.run(ctx)
     except BaseException as e:
         status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
-        write_state(run_dir, stage.name, key=key, status=status, started=started,
-                    wall_s=spent + time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
+        write_state(
+            run_dir,
+            stage.name,
+            key=key,
+            status=status,
+            started=started,
+            wall_s=spent + time.monotonic() - t0,
+            error=f"{type(e).__name__}: {e}",
+        )
         raise
     finally:
         if previous_env is None:

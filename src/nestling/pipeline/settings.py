@@ -33,9 +33,13 @@ class RunConfig:
     prompts: str | None = None  # eval prompts; None = the data stage's held-out split
 
     def to_dict(self) -> dict:
-        return {"target": self.target, "inputs": list(self.inputs), "run_dir": str(self.run_dir),
-                "prompts": self.prompts,
-                **{k: (None if v is None else to_dict(v)) for k, v in self.settings.items()}}
+        return {
+            "target": self.target,
+            "inputs": list(self.inputs),
+            "run_dir": str(self.run_dir),
+            "prompts": self.prompts,
+            **{k: (None if v is None else to_dict(v)) for k, v in self.settings.items()},
+        }
 
 
 def resolve_builtin(value: str) -> str:
@@ -44,7 +48,7 @@ def resolve_builtin(value: str) -> str:
         return value
     from nestling import assets
 
-    name = value[len(BUILTIN):]
+    name = value[len(BUILTIN) :]
     table = {"smollm2": assets.smollm2_dir, "sharegpt": assets.sharegpt_json}
     if name not in table:
         raise NestlingError(f"unknown built-in asset {value!r}; known: {', '.join(BUILTIN + k for k in table)}")
@@ -71,12 +75,16 @@ def parse_run_config(data: dict, stages, base: Path | None = None) -> RunConfig:
     valid = list(TOP_KEYS) + names
     unknown = [k for k in data if k not in valid]
     if unknown:
-        raise NestlingError(f"unknown setting '{unknown[0]}' in the run config; valid top-level keys: {', '.join(valid)}")
+        raise NestlingError(
+            f"unknown setting '{unknown[0]}' in the run config; valid top-level keys: {', '.join(valid)}"
+        )
     if not data.get("target"):
         raise NestlingError("the run config has no 'target': set it to a model folder, a .gguf file or builtin:smollm2")
     inputs = data.get("inputs")
     if inputs is None or inputs == []:
-        raise NestlingError("the run config has no 'inputs': list the chat data files (ShareGPT JSON/JSONL, messages JSONL, parquet)")
+        raise NestlingError(
+            "the run config has no 'inputs': list the chat data files (ShareGPT JSON/JSONL, messages JSONL, parquet)"
+        )
     if isinstance(inputs, (str, Path)):
         inputs = [inputs]
     if not isinstance(inputs, list):
@@ -104,8 +112,9 @@ def parse_run_config(data: dict, stages, base: Path | None = None) -> RunConfig:
     )
 
 
-def load_run_config(path: Path | None, stages, overrides: list[str] | None = None,
-                    base_data: dict | None = None) -> RunConfig:
+def load_run_config(
+    path: Path | None, stages, overrides: list[str] | None = None, base_data: dict | None = None
+) -> RunConfig:
     """YAML file (or `base_data`), then `key=value` overrides (`train.steps=10`, `run_dir=/scratch/x`)."""
     data = dict(base_data or {})
     base = Path.cwd()

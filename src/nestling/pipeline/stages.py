@@ -53,13 +53,15 @@ def _call(spec: str, *args: Any, **kwargs: Any) -> Any:
     return resolve(spec)(*args, **kwargs)
 
 
-
 # ---- the real stages --------------------------------------------------------------------------
+
 
 def _regenerate(ctx: StageContext) -> Any:
     if len(ctx.inputs) != 1:
-        raise NestlingError(f"regenerate reads one input file; the config lists {len(ctx.inputs)} "
-                            "(merge them into one JSONL, or drop the regenerate: section)")
+        raise NestlingError(
+            f"regenerate reads one input file; the config lists {len(ctx.inputs)} "
+            "(merge them into one JSONL, or drop the regenerate: section)"
+        )
     return _call("nestling.regenerate.run:regenerate", ctx.inputs[0], ctx.target, ctx.out, ctx.settings)
 
 
@@ -88,8 +90,13 @@ def _capture(ctx: StageContext) -> Any:
 def _train(ctx: StageContext) -> Any:
     # The pipeline wipes the folder when the key changed, so whatever checkpoint is there is ours.
     if ctx.settings.online is True:  # the target runs in the loop on the data stage's tokens
-        return _call("nestling.train.run:train", ctx.dir("data"), ctx.out,
-                     dataclasses.replace(ctx.settings, target=ctx.settings.target or ctx.target), resume=True)
+        return _call(
+            "nestling.train.run:train",
+            ctx.dir("data"),
+            ctx.out,
+            dataclasses.replace(ctx.settings, target=ctx.settings.target or ctx.target),
+            resume=True,
+        )
     return _call("nestling.train.run:train", ctx.dir("capture"), ctx.out, ctx.settings, resume=True)
 
 
@@ -103,8 +110,9 @@ def train_mode(config: Any, target: str) -> tuple[Any, str | None]:
     settings = {**config.settings, "train": dataclasses.replace(tr, online=online)}
     if online:
         settings["capture"] = None
-    note = (f"{'online' if online else 'offline'} ({why})"
-            + ("; no capture stage: the target computes the states batch by batch" if online else ""))
+    note = f"{'online' if online else 'offline'} ({why})" + (
+        "; no capture stage: the target computes the states batch by batch" if online else ""
+    )
     return dataclasses.replace(config, settings=settings), note
 
 
@@ -141,13 +149,20 @@ def _dry_train(s: Any) -> Any:
 
 def _dry_eval(s: Any) -> Any:
     # vLLM, when installed, must load the exported draft: that is the incompatibility users hit last.
-    return dataclasses.replace(s, max_prompts=1, max_new_tokens=8,
-                               engine="both" if _vllm_installed() else "reference", baseline=False)
+    return dataclasses.replace(
+        s, max_prompts=1, max_new_tokens=8, engine="both" if _vllm_installed() else "reference", baseline=False
+    )
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("regenerate", "nestling.regenerate.settings:RegenerateSettings", _regenerate,
-          uses=("target", "tokenizer", "inputs"), optional=True, dry=_dry_regenerate),
+    Stage(
+        "regenerate",
+        "nestling.regenerate.settings:RegenerateSettings",
+        _regenerate,
+        uses=("target", "tokenizer", "inputs"),
+        optional=True,
+        dry=_dry_regenerate,
+    ),
     Stage("data", "nestling.data.settings:DataSettings", _data, uses=("target", "tokenizer", "inputs"), dry=_dry_data),
     Stage("capture", "nestling.capture.settings:CaptureSettings", _capture, uses=("target",), dry=_dry_capture),
     Stage("train", "nestling.train.settings:TrainSettings", _train, uses=("target",), dry=_dry_train),

@@ -52,8 +52,11 @@ def write_state(run_dir: Path, stage: str, **fields: Any) -> dict:
 
 def read_progress(run_dir: Path, stage: str) -> dict | None:
     """The newest progress numbers of a stage (ours, or a progress.json the stage wrote itself)."""
-    found = [p for p in (read_json(progress_path(run_dir, stage)), read_json(Path(run_dir) / stage / "progress.json"))
-             if isinstance(p, dict) and p]
+    found = [
+        p
+        for p in (read_json(progress_path(run_dir, stage)), read_json(Path(run_dir) / stage / "progress.json"))
+        if isinstance(p, dict) and p
+    ]
     return max(found, key=lambda p: p.get("updated", 0)) if found else None
 
 

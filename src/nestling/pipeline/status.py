@@ -25,11 +25,15 @@ def read_run_info(run_dir: Path) -> dict:
     info = read_json(path)
     if info is None:
         why = "it cannot be parsed as JSON" if path.exists() else "no run.json"
-        raise NestlingError(f"{run_dir} is not a nestling run folder ({why}); start one with `nestling run CONFIG.yaml`")
+        raise NestlingError(
+            f"{run_dir} is not a nestling run folder ({why}); start one with `nestling run CONFIG.yaml`"
+        )
     stages = info.get("stages") if isinstance(info, dict) else None
     if not isinstance(stages, list) or not all(isinstance(n, str) for n in stages):
-        raise NestlingError(f"{path} is damaged: it needs a 'stages' list of stage names; run `nestling run CONFIG.yaml` "
-                            f"on this run folder again to rewrite it")
+        raise NestlingError(
+            f"{path} is damaged: it needs a 'stages' list of stage names; run `nestling run CONFIG.yaml` "
+            f"on this run folder again to rewrite it"
+        )
     return info
 
 
@@ -54,10 +58,16 @@ def stage_rows(run_dir: Path) -> list[dict]:
                 status = "stalled?"
         row = {"stage": name, "status": status, "wall_s": state.get("wall_s"), "error": state.get("error")}
         if prog and status != "pending":
-            row.update(done=prog.get("done"), total=prog.get("total"), unit=prog.get("unit"),
-                       tokens_per_s=prog.get("tokens_per_s"), eta_s=prog.get("eta_s"),
-                       elapsed_s=prog.get("elapsed_s"), updated=prog.get("updated"),
-                       desc=prog.get("stage"))
+            row.update(
+                done=prog.get("done"),
+                total=prog.get("total"),
+                unit=prog.get("unit"),
+                tokens_per_s=prog.get("tokens_per_s"),
+                eta_s=prog.get("eta_s"),
+                elapsed_s=prog.get("elapsed_s"),
+                updated=prog.get("updated"),
+                desc=prog.get("stage"),
+            )
         if status in ("running", "interrupted", "stalled?") and state.get("started"):
             end = now if status == "running" else max(state.get("updated", 0.0), prog.get("updated", 0.0))
             row["wall_s"] = float(state.get("wall_s") or 0.0) + max(end - state["started"], 0.0)
@@ -88,8 +98,10 @@ def format_status(run_dir: Path) -> str:
     est = _mapping(read_json(Path(run_dir) / "dry-run" / "estimate.json"))
     if est:
         total_s = sum(float(e.get("seconds") or 0.0) for e in est.get("stages", []))
-        lines.append(f"dry-run estimate of the full run: {format_bytes(est.get('need_bytes', 0))} disk, "
-                     f"{format_duration(total_s)}")
+        lines.append(
+            f"dry-run estimate of the full run: {format_bytes(est.get('need_bytes', 0))} disk, "
+            f"{format_duration(total_s)}"
+        )
     log = Path(run_dir) / RUN_LOG
     if log.exists():
         age = time.time() - log.stat().st_mtime

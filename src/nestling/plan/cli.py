@@ -15,8 +15,13 @@ rates nestling measured (benchmarks/results), and which mode fits the machine yo
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = add_intermixed_parser(sub, "plan", help="estimate disk, GPU memory and time before anything loads",
-                              description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = add_intermixed_parser(
+        sub,
+        "plan",
+        help="estimate disk, GPU memory and time before anything loads",
+        description=HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("target", help="the target's folder or its config.json")
     p.add_argument("extra", nargs="*", help="key=value settings (e.g. ttt_steps=3 batch_tokens=8192 epochs=2)")
     p.add_argument("--tokens", type=int, help="tokens to capture and train on")
@@ -24,9 +29,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", type=int, help="GPUs of the machine (default 8)")
     p.add_argument("--gpu-memory", dest="gpu_memory", help="memory per GPU, e.g. 96GB (default 80GB)")
     p.add_argument("--disk", help="free disk for the capture store, e.g. 4TB (default: not checked)")
-    p.add_argument("--gpu-tflops", dest="gpu_tflops", type=float,
-                   help="dense bf16 TFLOP/s per GPU (default: as fast as the measured H200, 989)")
-    p.add_argument("--layers", help="capture layer ids, comma-separated, the last the final state (default 2, L//2, L-3, L)")
+    p.add_argument(
+        "--gpu-tflops",
+        dest="gpu_tflops",
+        type=float,
+        help="dense bf16 TFLOP/s per GPU (default: as fast as the measured H200, 989)",
+    )
+    p.add_argument(
+        "--layers", help="capture layer ids, comma-separated, the last the final state (default 2, L//2, L-3, L)"
+    )
     p.add_argument("--config", type=Path, help="YAML file of plan settings")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=main)

@@ -54,8 +54,9 @@ def text_config(cfg: dict) -> dict:
 def _need(cfg: dict, *keys: str) -> list[int]:
     missing = [k for k in keys if cfg.get(k) is None]
     if missing:
-        raise NestlingError(f"the target's config.json has no {', '.join(missing)}; nestling plan needs them "
-                            f"to count parameters")
+        raise NestlingError(
+            f"the target's config.json has no {', '.join(missing)}; nestling plan needs them to count parameters"
+        )
     return [int(cfg[k]) for k in keys]
 
 
@@ -114,19 +115,29 @@ def count_params(cfg: dict) -> ParamCount:
     n_moe = n_moe_layers(cfg)
     n_dense = L - n_moe
     inter = int(cfg.get("intermediate_size") or 4 * H)
-    total = {"attention": L * attention_params(cfg), "dense_mlp": n_dense * 3 * H * inter,
-             "embed_tokens": V * H, "lm_head": 0 if cfg.get("tie_word_embeddings") else V * H,
-             "norms": (2 * L + 1) * H}
+    total = {
+        "attention": L * attention_params(cfg),
+        "dense_mlp": n_dense * 3 * H * inter,
+        "embed_tokens": V * H,
+        "lm_head": 0 if cfg.get("tie_word_embeddings") else V * H,
+        "norms": (2 * L + 1) * H,
+    }
     active = dict(total)
     if n_moe:
         E, k = _need(cfg, "n_routed_experts", "num_experts_per_tok")
         moe_inter = int(cfg.get("moe_intermediate_size") or inter)
         shared = int(cfg.get("n_shared_experts") or 0)
         expert = 3 * H * moe_inter
-        total |= {"routed_experts": n_moe * E * expert, "shared_experts": n_moe * shared * expert,
-                  "router": n_moe * E * H}
-        active |= {"routed_experts": n_moe * k * expert, "shared_experts": n_moe * shared * expert,
-                   "router": n_moe * E * H}
+        total |= {
+            "routed_experts": n_moe * E * expert,
+            "shared_experts": n_moe * shared * expert,
+            "router": n_moe * E * H,
+        }
+        active |= {
+            "routed_experts": n_moe * k * expert,
+            "shared_experts": n_moe * shared * expert,
+            "router": n_moe * E * H,
+        }
     if is_mla(cfg):  # the q and kv low-rank norms
         extra = L * (int(cfg["kv_lora_rank"]) + int(cfg.get("q_lora_rank") or 0))
         total["norms"] += extra
@@ -148,6 +159,7 @@ def flops_per_token(cfg: dict, seq_len: int) -> float:
 
 
 # ---- quantization -------------------------------------------------------------------------------------
+
 
 @dataclass
 class Quant:
@@ -186,8 +198,10 @@ def quantization(cfg: dict) -> Quant:
         zero = scale if w.get("symmetric") is False else 0.0
         fmt = q.get("format") or "compressed-tensors"
         return Quant(f"W{bits}A16 {fmt}" + (f" g{gs}" if gs else ""), bits + scale + zero, list(q.get("ignore") or []))
-    raise NestlingError(f"nestling plan does not know quant_method {method!r}; it reads compressed-tensors, "
-                        f"fp8 and unquantized (bf16) checkpoints")
+    raise NestlingError(
+        f"nestling plan does not know quant_method {method!r}; it reads compressed-tensors, "
+        f"fp8 and unquantized (bf16) checkpoints"
+    )
 
 
 def weight_bytes(cfg: dict, params: ParamCount | None = None) -> dict[str, float]:

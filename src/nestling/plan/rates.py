@@ -34,7 +34,9 @@ class CaptureRate:
 
     def scaled(self, flops_per_token: float, tflops: float | None) -> float:
         """Tokens/s per GPU for a target of `flops_per_token` on a GPU of `tflops` peak."""
-        return self.tokens_per_s * self.flops_per_token / flops_per_token * (tflops or self.peak_tflops) / self.peak_tflops
+        return (
+            self.tokens_per_s * self.flops_per_token / flops_per_token * (tflops or self.peak_tflops) / self.peak_tflops
+        )
 
 
 @dataclass

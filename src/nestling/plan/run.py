@@ -37,12 +37,15 @@ def data_tokens(s: PlanSettings) -> tuple[int, int, str]:
     try:
         m = json.loads(path.read_text())
     except (OSError, ValueError):
-        raise NestlingError(f"{s.data} is no finished `nestling data` folder ({path} is missing or unreadable); "
-                            f"pass --tokens N instead") from None
+        raise NestlingError(
+            f"{s.data} is no finished `nestling data` folder ({path} is missing or unreadable); pass --tokens N instead"
+        ) from None
     splits = m.get("splits") or {}
     if m.get("stage") != "data" or "train" not in splits:
-        raise NestlingError(f"{s.data} was written by `nestling {m.get('stage')}`, not `nestling data`; "
-                            f"pass a data folder or --tokens N")
+        raise NestlingError(
+            f"{s.data} was written by `nestling {m.get('stage')}`, not `nestling data`; "
+            f"pass a data folder or --tokens N"
+        )
     total = sum(int(v.get("tokens", 0)) for v in splits.values())
     return total, int(splits["train"]["tokens"]), f"{s.data} (manifest)"
 
@@ -52,8 +55,11 @@ def store_plan(n_ids: int, hidden: int, tokens: int, disk: int | None) -> dict:
     out = {}
     for name, dtype in STORE_DTYPES.items():
         bpt = bytes_per_token(n_ids, hidden, dtype)
-        out[name] = {"bytes_per_token": bpt, "bytes": bpt * tokens,
-                     "fits_disk": None if disk is None else bpt * tokens <= disk}
+        out[name] = {
+            "bytes_per_token": bpt,
+            "bytes": bpt * tokens,
+            "fits_disk": None if disk is None else bpt * tokens <= disk,
+        }
     return out
 
 
@@ -70,8 +76,10 @@ def capture_work_bytes(cfg: dict, n_ids: int, token_budget: int) -> int:
     """A forward's working memory beside the weights: the batch's KV cache, its widest activations and the
     captured states, plus the runtime. Not divided by TP: an upper bound."""
     H = int(cfg["hidden_size"])
-    mlp = max(int(cfg.get("intermediate_size") or 4 * H),
-              int(cfg.get("num_experts_per_tok") or 0) * int(cfg.get("moe_intermediate_size") or 0))
+    mlp = max(
+        int(cfg.get("intermediate_size") or 4 * H),
+        int(cfg.get("num_experts_per_tok") or 0) * int(cfg.get("moe_intermediate_size") or 0),
+    )
     act = (n_ids + 6) * H + 2 * mlp
     return token_budget * (kv_bytes_per_token(cfg) + 2 * act) + RUNTIME_BYTES
 
@@ -88,8 +96,9 @@ def capture_backend(cfg: dict) -> tuple[str, str]:
     return "vllm", "vLLM's extract_hidden_states path serves this architecture"
 
 
-def target_plan(cfg: dict, weights: float, s: PlanSettings, usable: float, n_ids: int,
-                loaded: float | None = None) -> dict:
+def target_plan(
+    cfg: dict, weights: float, s: PlanSettings, usable: float, n_ids: int, loaded: float | None = None
+) -> dict:
     """Per-GPU memory when the weights are split over 1, 2, 4, ... of the GPUs (vllm: the TP degree, the
     rest data-parallel replicas; hf: device_map over that many GPUs, one replica); the smallest that fits.
     `weights` as stored (what vLLM holds), `loaded` as transformers holds them (the hf backend)."""
@@ -106,10 +115,17 @@ def target_plan(cfg: dict, weights: float, s: PlanSettings, usable: float, n_ids
             options.append({"tp": tp, "dp": dp, "per_gpu_bytes": per_gpu, "fits": per_gpu <= usable})
         tp *= 2
     fit = next((o for o in options if o["fits"]), None)
-    return {"backend": backend, "backend_why": why, "work_bytes": work, "weight_bytes": weights, "options": options,
-            "tp": fit["tp"] if fit else None, "dp": fit["dp"] if fit else None,
-            # GPUs computing at once: vllm's TP x DP all work; hf's device_map runs the layers in turn
-            "busy_gpus": (s.gpus if backend == "vllm" else 1) if fit else 0}
+    return {
+        "backend": backend,
+        "backend_why": why,
+        "work_bytes": work,
+        "weight_bytes": weights,
+        "options": options,
+        "tp": fit["tp"] if fit else None,
+        "dp": fit["dp"] if fit else None,
+        # GPUs computing at once: vllm's TP x DP all work; hf's device_map runs the layers in turn
+        "busy_gpus": (s.gpus if backend == "vllm" else 1) if fit else 0,
+    }
 
 
 def draft_plan(cfg: dict, layer_ids: list[int], s: PlanSettings, usable: float) -> dict:
@@ -117,23 +133,43 @@ def draft_plan(cfg: dict, layer_ids: list[int], s: PlanSettings, usable: float) 
     from nestling.draft.model import DraftConfig
     from nestling.train.features import draft_memory
 
-    c = DraftConfig.from_target(SimpleNamespace(**cfg), min(s.draft_vocab_size, int(cfg["vocab_size"])),
-                                layer_ids[:-1], num_hidden_layers=s.draft_layers)
+    c = DraftConfig.from_target(
+        SimpleNamespace(**cfg),
+        min(s.draft_vocab_size, int(cfg["vocab_size"])),
+        layer_ids[:-1],
+        num_hidden_layers=s.draft_layers,
+    )
     if s.intermediate_size:
         c.intermediate_size = s.intermediate_size
     n = c.trainable_params()
-    parts = draft_memory(n, c.hidden_size, c.vocab_size, c.intermediate_size, len(layer_ids) - 1,
-                         c.draft_vocab_size, s.ttt_steps, s.batch_tokens)
+    parts = draft_memory(
+        n,
+        c.hidden_size,
+        c.vocab_size,
+        c.intermediate_size,
+        len(layer_ids) - 1,
+        c.draft_vocab_size,
+        s.ttt_steps,
+        s.batch_tokens,
+    )
     ddp = sum(parts.values())
     fsdp = ddp - parts["weights_grads_adam"] * (1 - 1 / s.gpus)
     parallel = "ddp" if ddp <= usable else "fsdp" if fsdp <= usable else None
-    return {"trainable_params": n, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-            "draft_vocab_size": c.draft_vocab_size, "memory": parts, "per_gpu_bytes": ddp,
-            "per_gpu_bytes_fsdp": fsdp, "parallel": parallel}
+    return {
+        "trainable_params": n,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "memory": parts,
+        "per_gpu_bytes": ddp,
+        "per_gpu_bytes_fsdp": fsdp,
+        "parallel": parallel,
+    }
 
 
-def time_plan(cfg: dict, draft_params: int, tokens: int, train_tokens: int, s: PlanSettings,
-              store: dict, busy_gpus: int) -> dict:
+def time_plan(
+    cfg: dict, draft_params: int, tokens: int, train_tokens: int, s: PlanSettings, store: dict, busy_gpus: int
+) -> dict:
     """Seconds for capture and for training at the measured rates, all GPUs busy."""
     results = Path(s.results) if s.results else default_results_dir()
     cap, tr = capture_rate(results), train_rate(results, s.ttt_steps)
@@ -141,13 +177,20 @@ def time_plan(cfg: dict, draft_params: int, tokens: int, train_tokens: int, s: P
     out: dict = {"results": str(results), "target_flops_per_token": flops}
     if cap:
         r = cap.scaled(flops, s.gpu_tflops)
-        out["capture"] = {"tokens_per_s_per_gpu": r, "busy_gpus": busy_gpus, "measured": cap.source,
-                          "seconds": tokens / (r * busy_gpus) if busy_gpus else float("inf")}
+        out["capture"] = {
+            "tokens_per_s_per_gpu": r,
+            "busy_gpus": busy_gpus,
+            "measured": cap.source,
+            "seconds": tokens / (r * busy_gpus) if busy_gpus else float("inf"),
+        }
     if tr:
         r = tr.scaled(draft_params, s.ttt_steps, s.gpu_tflops)
-        out["train"] = {"tokens_per_s_per_gpu": r, "seconds": s.epochs * train_tokens / (r * s.gpus),
-                        "measured": tr.source,
-                        "store_read_per_s": {k: v["bytes_per_token"] * r * s.gpus for k, v in store.items()}}
+        out["train"] = {
+            "tokens_per_s_per_gpu": r,
+            "seconds": s.epochs * train_tokens / (r * s.gpus),
+            "measured": tr.source,
+            "store_read_per_s": {k: v["bytes_per_token"] * r * s.gpus for k, v in store.items()},
+        }
     if cap and tr:  # online: every epoch runs the target again, on the training GPUs
         per_tok = 1 / out["capture"]["tokens_per_s_per_gpu"] + 1 / out["train"]["tokens_per_s_per_gpu"]
         out["online"] = {"seconds": s.epochs * train_tokens * per_tok / s.gpus}
@@ -168,15 +211,26 @@ def modes(store: dict, target: dict, draft: dict, online_per_gpu: float, usable:
         if target["backend"] == "vllm":
             cap = f"capture backend=vllm tensor_parallel_size={target['tp']} data_parallel_size={target['dp']}"
         else:
-            cap = (f"capture backend=hf device_map=auto (weights over {target['tp']} GPU(s), computing one "
-                   f"at a time)" if target["tp"] and target["tp"] > 1 else "capture backend=hf on one GPU")
+            cap = (
+                f"capture backend=hf device_map=auto (weights over {target['tp']} GPU(s), computing one at a time)"
+                if target["tp"] and target["tp"] > 1
+                else "capture backend=hf on one GPU"
+            )
         how = f"{cap}, dtype={name}; train {draft['parallel']} on {s.gpus} GPUs" if not why else ""
         out.append({"mode": f"offline, {name} store", "fits": not why, "why": "; ".join(why) or how})
     fits = online_per_gpu <= usable
-    out.append({"mode": "online", "fits": fits, "why": (
-        f"the whole target and the draft fit on each GPU ({_size(online_per_gpu)} of {_size(usable)})" if fits else
-        f"online training holds the whole target on every training GPU (no tensor parallelism): "
-        f"{_size(online_per_gpu)} per GPU, {_size(usable)} usable")})
+    out.append(
+        {
+            "mode": "online",
+            "fits": fits,
+            "why": (
+                f"the whole target and the draft fit on each GPU ({_size(online_per_gpu)} of {_size(usable)})"
+                if fits
+                else f"online training holds the whole target on every training GPU (no tensor parallelism): "
+                f"{_size(online_per_gpu)} per GPU, {_size(usable)} usable"
+            ),
+        }
+    )
     return out
 
 
@@ -188,8 +242,11 @@ def recommend(modes_: list[dict], s: PlanSettings) -> str:
     for m in modes_:
         if m["fits"]:
             return f"{m['mode']}: {m['why']}"
-    return ("nothing fits this machine as described: " + by["offline, float8 store"]["why"]
-            + ". Use more or larger GPUs, more disk or fewer tokens.")
+    return (
+        "nothing fits this machine as described: "
+        + by["offline, float8 store"]["why"]
+        + ". Use more or larger GPUs, more disk or fewer tokens."
+    )
 
 
 def plan(target: str | Path, settings: PlanSettings | None = None) -> dict:
@@ -213,14 +270,29 @@ def plan(target: str | Path, settings: PlanSettings | None = None) -> dict:
     online_per_gpu = loaded + target_mem["work_bytes"] + draft["per_gpu_bytes"]
     ms = modes(store, target_mem, draft, online_per_gpu, usable, s)
     return {
-        "target": {"path": str(target), "model_type": cfg.get("model_type"), "layers": L, "hidden_size": H,
-                   "vocab_size": V, "moe_layers": M.n_moe_layers(cfg), "mla": M.is_mla(cfg),
-                   "params_total": params.n_total, "params_active": params.n_active,
-                   "flops_per_token": M.flops_per_token(cfg, s.seq_len),
-                   "quantization": quant.name, "bits_per_weight": quant.bits, "weight_bytes": weights},
+        "target": {
+            "path": str(target),
+            "model_type": cfg.get("model_type"),
+            "layers": L,
+            "hidden_size": H,
+            "vocab_size": V,
+            "moe_layers": M.n_moe_layers(cfg),
+            "mla": M.is_mla(cfg),
+            "params_total": params.n_total,
+            "params_active": params.n_active,
+            "flops_per_token": M.flops_per_token(cfg, s.seq_len),
+            "quantization": quant.name,
+            "bits_per_weight": quant.bits,
+            "weight_bytes": weights,
+        },
         "data": {"tokens": tokens, "train_tokens": train_tokens, "source": source, "epochs": s.epochs},
-        "machine": {"gpus": s.gpus, "gpu_memory_bytes": gpu_mem, "usable_per_gpu_bytes": usable,
-                    "disk_bytes": disk, "gpu_tflops": s.gpu_tflops},
+        "machine": {
+            "gpus": s.gpus,
+            "gpu_memory_bytes": gpu_mem,
+            "usable_per_gpu_bytes": usable,
+            "disk_bytes": disk,
+            "gpu_tflops": s.gpu_tflops,
+        },
         "layer_ids": layer_ids,
         "store": store,
         "target_memory": target_mem,

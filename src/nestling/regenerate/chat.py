@@ -43,8 +43,10 @@ def render_prompts(tokenizer, histories: list[list[dict]], reasoning: str = "kee
     which matters when a turn of a large chunk renders tens of thousands of prompts)."""
     if not histories:
         return []
-    texts = [tokenizer.apply_chat_template(h, tokenize=False, add_generation_prompt=True, **template_kwargs(reasoning))
-             for h in histories]
+    texts = [
+        tokenizer.apply_chat_template(h, tokenize=False, add_generation_prompt=True, **template_kwargs(reasoning))
+        for h in histories
+    ]
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 

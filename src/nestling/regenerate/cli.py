@@ -24,28 +24,50 @@ Any setting can also come from --config FILE (YAML) or a trailing key=value, e.g
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("regenerate", help="rewrite the assistant turns of chat data with the target",
-                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "regenerate",
+        help="rewrite the assistant turns of chat data with the target",
+        description=HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("input", type=Path, help="chat data: ShareGPT .json/.jsonl or messages .jsonl")
     p.add_argument("--target", required=True, help="the target model: a local Hugging Face folder or a .gguf file")
     p.add_argument("--out", required=True, type=Path, help="output folder (resumed when it holds an unfinished run)")
-    p.add_argument("--engine", choices=["auto", "vllm", "openai", "hf"],
-                   help="vllm: in-process vLLM (default when installed); openai: OpenAI-compatible server(s) "
-                        "given by --url; hf: transformers generate (the fallback)")
-    p.add_argument("--url", action="append", dest="urls", metavar="URL",
-                   help="OpenAI-compatible server base URL, e.g. http://127.0.0.1:8000; repeat for data-parallel servers")
+    p.add_argument(
+        "--engine",
+        choices=["auto", "vllm", "openai", "hf"],
+        help="vllm: in-process vLLM (default when installed); openai: OpenAI-compatible server(s) "
+        "given by --url; hf: transformers generate (the fallback)",
+    )
+    p.add_argument(
+        "--url",
+        action="append",
+        dest="urls",
+        metavar="URL",
+        help="OpenAI-compatible server base URL, e.g. http://127.0.0.1:8000; repeat for data-parallel servers",
+    )
     p.add_argument("--temperature", type=float, help="sampling temperature (default 0 = greedy)")
     p.add_argument("--top-p", type=float, help="nucleus sampling (default 1.0 = off)")
     p.add_argument("--top-k", type=int, help="top-k sampling (default 0 = off)")
-    p.add_argument("--n", type=int, help="answers per conversation (default 1); n > 1 writes n sampled rows per "
-                                          "conversation (needs --temperature > 0), seeded so a rerun repeats them")
+    p.add_argument(
+        "--n",
+        type=int,
+        help="answers per conversation (default 1); n > 1 writes n sampled rows per "
+        "conversation (needs --temperature > 0), seeded so a rerun repeats them",
+    )
     p.add_argument("--max-new-tokens", type=int, help="longest answer per assistant turn (default 1024)")
-    p.add_argument("--max-model-len", type=int,
-                   help="prompt + answer limit in tokens; longer prompts fail as context_overflow "
-                        "(default: the target's max_position_embeddings)")
-    p.add_argument("--reasoning", choices=["keep", "strip", "disable"],
-                   help="templates with thinking: keep the <think> block, strip it from the stored answer, "
-                        "or disable thinking in the template (enable_thinking=False). Default keep")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="prompt + answer limit in tokens; longer prompts fail as context_overflow "
+        "(default: the target's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--reasoning",
+        choices=["keep", "strip", "disable"],
+        help="templates with thinking: keep the <think> block, strip it from the stored answer, "
+        "or disable thinking in the template (enable_thinking=False). Default keep",
+    )
     p.add_argument("--max-turns", type=int, help="regenerate only the first N assistant turns (default 0 = all)")
     p.add_argument("--limit", type=int, help="only the first N input records (default 0 = all)")
     p.add_argument("--dtype", help="weights dtype for vllm/hf: auto, bfloat16, float16, float32 (default auto)")
@@ -58,13 +80,28 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from nestling.regenerate.run import regenerate
 
-    s = load_settings(RegenerateSettings, args.config, args.overrides, engine=args.engine, urls=args.urls,
-                      temperature=args.temperature, n=args.n, top_p=args.top_p, top_k=args.top_k,
-                      max_new_tokens=args.max_new_tokens, max_model_len=args.max_model_len,
-                      reasoning=args.reasoning, max_turns=args.max_turns, limit=args.limit,
-                      dtype=args.dtype, device=args.device)
+    s = load_settings(
+        RegenerateSettings,
+        args.config,
+        args.overrides,
+        engine=args.engine,
+        urls=args.urls,
+        temperature=args.temperature,
+        n=args.n,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens,
+        max_model_len=args.max_model_len,
+        reasoning=args.reasoning,
+        max_turns=args.max_turns,
+        limit=args.limit,
+        dtype=args.dtype,
+        device=args.device,
+    )
     manifest = regenerate(args.input, args.target, args.out, s)
     c = manifest["counts"]
-    print(f"{args.out / manifest['files']['messages']}: {c['kept']} kept, {sum(c['failed'].values())} failed, "
-          f"{sum(c['skipped'].values())} skipped of {c['read']}")
+    print(
+        f"{args.out / manifest['files']['messages']}: {c['kept']} kept, {sum(c['failed'].values())} failed, "
+        f"{sum(c['skipped'].values())} skipped of {c['read']}"
+    )
     return 0

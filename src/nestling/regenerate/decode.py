@@ -54,9 +54,17 @@ class Stats:
 
     def as_dict(self, slots: int) -> dict:
         busy = self.tokens / max(1, self.steps * slots)  # share of slot-steps that wrote a token
-        return {"prefill_s": round(self.prefill_s, 3), "step_s": round(self.step_s, 3), "host_s": round(self.host_s, 3),
-                "prefills": self.prefills, "rounds": self.rounds, "steps": self.steps, "tokens": self.tokens,
-                "slot_use": round(busy, 4), "ms_per_step": round(1e3 * self.step_s / max(1, self.steps), 3)}
+        return {
+            "prefill_s": round(self.prefill_s, 3),
+            "step_s": round(self.step_s, 3),
+            "host_s": round(self.host_s, 3),
+            "prefills": self.prefills,
+            "rounds": self.rounds,
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "slot_use": round(busy, 4),
+            "ms_per_step": round(1e3 * self.step_s / max(1, self.steps), 3),
+        }
 
 
 @dataclass
@@ -102,9 +110,20 @@ class Slots:
 class Decoder:
     """Greedy or seeded decoding of many requests through a fixed set of slots."""
 
-    def __init__(self, model, eos: list[int], pad: int, sampling: Sampling, slots: int, length: int,
-                 max_new: int, sync_every: int, graphs: bool, stats: Stats | None = None,
-                 attention: str = "matmul"):
+    def __init__(
+        self,
+        model,
+        eos: list[int],
+        pad: int,
+        sampling: Sampling,
+        slots: int,
+        length: int,
+        max_new: int,
+        sync_every: int,
+        graphs: bool,
+        stats: Stats | None = None,
+        attention: str = "matmul",
+    ):
         self.sm = StaticModel(model, slots, length, attention)
         dev = self.sm.k.device
         self.state = Slots(slots, max_new, dev)
@@ -163,8 +182,10 @@ class Decoder:
             try:
                 g = self._graph(window)
             except Exception as e:  # capture can fail on some builds/models: keep going eagerly
-                log(f"[regenerate] hf engine: CUDA graph capture failed ({type(e).__name__}: {str(e)[:200]}); "
-                    "decoding eagerly (same loop, slower)")
+                log(
+                    f"[regenerate] hf engine: CUDA graph capture failed ({type(e).__name__}: {str(e)[:200]}); "
+                    "decoding eagerly (same loop, slower)"
+                )
                 self.use_graphs, self.graphs = False, {}
             else:
                 for _ in range(self.sync_every):
@@ -255,6 +276,8 @@ class Decoder:
             st.host_s += time.monotonic() - t2
             if time.monotonic() - last_log > LOG_EVERY_S:
                 last_log = time.monotonic()
-                log(f"[regenerate] hf engine: {answers} answers, {len(waiting)} waiting, "
-                    f"{tokens / (last_log - start):.0f} tok/s ({len(owner)} in {self.sm.slots} slots)")
+                log(
+                    f"[regenerate] hf engine: {answers} answers, {len(waiting)} waiting, "
+                    f"{tokens / (last_log - start):.0f} tok/s ({len(owner)} in {self.sm.slots} slots)"
+                )
         st.tokens += tokens

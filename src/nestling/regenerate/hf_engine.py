@@ -72,7 +72,9 @@ def fast_limits(s: RegenerateSettings, on_cuda: bool, kv_bytes: int, free_bytes:
     On CUDA the cache takes FAST_CACHE_SHARE of the free memory (it is allocated once, not grown by
     copying), leaving room for the graphs' logits and the prefill."""
     size = s.hf_batch_size or (GPU_BATCH if on_cuda else CPU_BATCH)
-    tokens = s.hf_batch_tokens or (max(4096, int(free_bytes * FAST_CACHE_SHARE) // kv_bytes) if on_cuda else CPU_BATCH_TOKENS)
+    tokens = s.hf_batch_tokens or (
+        max(4096, int(free_bytes * FAST_CACHE_SHARE) // kv_bytes) if on_cuda else CPU_BATCH_TOKENS
+    )
     return size, tokens
 
 
@@ -130,13 +132,17 @@ class HFEngine:
         self.fast = s.hf_fast
         why = unsupported_reason(self.model) if self.fast else None
         if why:
-            log(f"[regenerate] hf engine: the fast decode loop cannot run this target ({why}); "
-                "using transformers generate (slower)")
+            log(
+                f"[regenerate] hf engine: the fast decode loop cannot run this target ({why}); "
+                "using transformers generate (slower)"
+            )
             self.fast = False
         elif self.fast:
-            log(f"[regenerate] hf engine: fast decode loop, up to {self.slots} slots, "
-                f"{self.cache_tokens} KV-cache tokens, " + ("CUDA graphs" if self.graphs else
-                "eager steps (CUDA graphs need a GPU)"))
+            log(
+                f"[regenerate] hf engine: fast decode loop, up to {self.slots} slots, "
+                f"{self.cache_tokens} KV-cache tokens, "
+                + ("CUDA graphs" if self.graphs else "eager steps (CUDA graphs need a GPU)")
+            )
 
     def _decoder(self, slots: int, length: int) -> Decoder:
         """The decoder for this shape (kept between calls so its CUDA graphs are reused)."""
@@ -145,9 +151,19 @@ class HFEngine:
             self.decoder = d = None
             if self.on_cuda:
                 self.torch.cuda.empty_cache()
-            d = Decoder(self.model, self.eos, self.pad, Sampling(self.s.temperature, self.s.top_p, self.s.top_k),
-                        slots, length, self.s.max_new_tokens, 16 if self.on_cuda else 4, self.graphs, self.stats,
-                        self.s.hf_attention)
+            d = Decoder(
+                self.model,
+                self.eos,
+                self.pad,
+                Sampling(self.s.temperature, self.s.top_p, self.s.top_k),
+                slots,
+                length,
+                self.s.max_new_tokens,
+                16 if self.on_cuda else 4,
+                self.graphs,
+                self.stats,
+                self.s.hf_attention,
+            )
             self.decoder = d
         self.graphs = d.use_graphs  # a failed capture is not retried
         return d
@@ -179,8 +195,10 @@ class HFEngine:
                 need = max(len(r.prompt_ids) + r.max_tokens for _, r in pending)
                 if all(len(r.prompt_ids) + r.max_tokens > length for _, r in pending):
                     length = cache_length(need)  # only long ones left: a longer cache, fewer slots
-                    log(f"[regenerate] hf engine: {len(pending)} requests need up to {need} tokens; "
-                        f"running them with a {length}-token cache")
+                    log(
+                        f"[regenerate] hf engine: {len(pending)} requests need up to {need} tokens; "
+                        f"running them with a {length}-token cache"
+                    )
                 pending = self._phase(pending, length, follow, open_keys)
         except Exception as e:  # e.g. out of memory: fail what is still open, not the run
             self.decoder = None
@@ -188,8 +206,9 @@ class HFEngine:
             open_keys.clear()
             follow(failed)
 
-    def _phase(self, reqs: list[tuple[int, Request]], length: int, follow: Follow,
-               open_keys: set[int]) -> list[tuple[int, Request]]:
+    def _phase(
+        self, reqs: list[tuple[int, Request]], length: int, follow: Follow, open_keys: set[int]
+    ) -> list[tuple[int, Request]]:
         """Stream the requests that fit `length` (and their follow-ups that fit); return the parked rest."""
         parked: list[tuple[int, Request]] = []
         keys: list[int] = []
@@ -223,8 +242,12 @@ class HFEngine:
         stop = next((j for j, t in enumerate(gen) if t in self.eos), None)
         tokens = gen[: stop + 1] if stop is not None else gen
         text_ids = gen[:stop] if stop is not None else gen
-        return Completion(text=self.tok.decode(text_ids, skip_special_tokens=True), token_ids=tokens,
-                          num_tokens=len(tokens), finish_reason="stop" if stop is not None else "length")
+        return Completion(
+            text=self.tok.decode(text_ids, skip_special_tokens=True),
+            token_ids=tokens,
+            num_tokens=len(tokens),
+            finish_reason="stop" if stop is not None else "length",
+        )
 
     def _batch(self, reqs: list[Request]) -> list[Completion]:
         """The old path: one left-padded `generate` call."""
@@ -233,11 +256,15 @@ class HFEngine:
         ids = torch.full((len(reqs), width), self.pad, dtype=torch.long)
         mask = torch.zeros((len(reqs), width), dtype=torch.long)
         for i, r in enumerate(reqs):
-            ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            mask[i, width - len(r.prompt_ids):] = 1
+            ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[i, width - len(r.prompt_ids) :] = 1
         sampled = self.s.temperature > 0
-        kw = dict(do_sample=sampled, max_new_tokens=max(r.max_tokens for r in reqs), eos_token_id=self.eos,
-                  pad_token_id=self.pad)
+        kw = dict(
+            do_sample=sampled,
+            max_new_tokens=max(r.max_tokens for r in reqs),
+            eos_token_id=self.eos,
+            pad_token_id=self.pad,
+        )
         if sampled:
             torch.manual_seed(reqs[0].seed)
             kw.update(temperature=self.s.temperature, top_p=self.s.top_p, top_k=self.s.top_k or None)
@@ -257,8 +284,9 @@ class HFEngine:
                 self.decoder = None
                 return [Completion(error="engine_error", detail=f"{type(e).__name__}: {e}"[:500]) for _ in requests]
         out: list[Completion | None] = [None] * len(requests)
-        for idx in plan_batches([len(r.prompt_ids) for r in requests], [r.max_tokens for r in requests],
-                                self.batch_size, self.batch_tokens):
+        for idx in plan_batches(
+            [len(r.prompt_ids) for r in requests], [r.max_tokens for r in requests], self.batch_size, self.batch_tokens
+        ):
             try:
                 comps = self._batch([requests[i] for i in idx])
             except Exception as e:  # e.g. out of memory: fail these requests, not the run
@@ -271,8 +299,10 @@ class HFEngine:
         st = self.stats
         if st.steps:
             d = st.as_dict(self.slots)
-            log(f"[regenerate] hf engine: {st.tokens} tokens; prefill {d['prefill_s']:.1f} s ({st.prefills} batches), "
+            log(
+                f"[regenerate] hf engine: {st.tokens} tokens; prefill {d['prefill_s']:.1f} s ({st.prefills} batches), "
                 f"decode steps {d['step_s']:.1f} s ({st.steps} steps, {d['ms_per_step']:.2f} ms each), "
-                f"host {d['host_s']:.1f} s")
+                f"host {d['host_s']:.1f} s"
+            )
         self.decoder = None
         del self.model

@@ -70,8 +70,12 @@ class OpenAIEngine:
                 c = out["choices"][0]
                 ids = c.get("token_ids")
                 n = len(ids) if ids is not None else int(out.get("usage", {}).get("completion_tokens", 0))
-                return Completion(text=c.get("text", ""), token_ids=list(ids) if ids is not None else None,
-                                  num_tokens=n, finish_reason=c.get("finish_reason") or "")
+                return Completion(
+                    text=c.get("text", ""),
+                    token_ids=list(ids) if ids is not None else None,
+                    num_tokens=n,
+                    finish_reason=c.get("finish_reason") or "",
+                )
             except urllib.error.HTTPError as e:
                 msg = e.read().decode(errors="replace")[:500]
                 if e.code != 429 and e.code < 500:  # the request itself is wrong (e.g. too long): no retry
@@ -85,9 +89,15 @@ class OpenAIEngine:
         return Completion(error="server_error", detail=f"after {self.s.retries} retries: {last}"[:500])
 
     def _one(self, i: int, r: Request) -> Completion:
-        body = {"model": self.model, "prompt": r.prompt_ids, "max_tokens": r.max_tokens,
-                "temperature": self.s.temperature, "top_p": self.s.top_p, "return_token_ids": True,
-                "skip_special_tokens": True}
+        body = {
+            "model": self.model,
+            "prompt": r.prompt_ids,
+            "max_tokens": r.max_tokens,
+            "temperature": self.s.temperature,
+            "top_p": self.s.top_p,
+            "return_token_ids": True,
+            "skip_special_tokens": True,
+        }
         if self.s.top_k:
             body["top_k"] = self.s.top_k
         if self.s.temperature > 0:

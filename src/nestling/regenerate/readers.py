@@ -39,5 +39,6 @@ def read_records(path: Path) -> Iterator[Record]:
         if isinstance(raw.data.get("id"), (str, int)):
             rid = str(raw.data["id"])
         norm = normalize_record(raw.data)
-        yield Record(raw.index, rid, messages=norm.messages, skip=norm.drop, detail=norm.detail,
-                     altered=list(norm.altered))
+        yield Record(
+            raw.index, rid, messages=norm.messages, skip=norm.drop, detail=norm.detail, altered=list(norm.altered)
+        )

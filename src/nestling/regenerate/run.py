@@ -86,14 +86,17 @@ class Turns:
         """Each conversation's next request (prompts rendered in one batch); a prompt at or over the
         length limit fails its conversation."""
         s, out = self.s, []
-        prompts = render_prompts(self.tokenizer, [c.messages[:c.positions[c.turn]] for c in convs], s.reasoning)
+        prompts = render_prompts(self.tokenizer, [c.messages[: c.positions[c.turn]] for c in convs], s.reasoning)
         for c, ids in zip(convs, prompts):
             if len(ids) >= self.max_len:
-                c.failed = ("context_overflow", f"assistant turn {c.turn}: prompt is {len(ids)} tokens, "
-                                                f"max_model_len is {self.max_len}")
+                c.failed = (
+                    "context_overflow",
+                    f"assistant turn {c.turn}: prompt is {len(ids)} tokens, max_model_len is {self.max_len}",
+                )
                 continue
-            out.append((c.key, Request(ids, min(s.max_new_tokens, self.max_len - len(ids)),
-                                       _seed(s, c.rec, c.turn, c.sample))))
+            out.append(
+                (c.key, Request(ids, min(s.max_new_tokens, self.max_len - len(ids)), _seed(s, c.rec, c.turn, c.sample)))
+            )
         return out
 
     def follow(self, done: list[tuple[int, Completion]]) -> list[tuple[int, Request]]:
@@ -116,8 +119,14 @@ class Turns:
         return self.ask(nxt)
 
 
-def run_chunk(records: list[Record], engine: Engine, tokenizer, s: RegenerateSettings, max_len: int,
-              progress: Progress | None = None) -> ChunkResult:
+def run_chunk(
+    records: list[Record],
+    engine: Engine,
+    tokenizer,
+    s: RegenerateSettings,
+    max_len: int,
+    progress: Progress | None = None,
+) -> ChunkResult:
     res = ChunkResult([], [], Counter())
     convs: list[Conv] = []
     n = max(1, s.n)
@@ -130,8 +139,14 @@ def run_chunk(records: list[Record], engine: Engine, tokenizer, s: RegenerateSet
         for a in sorted(set(rec.altered) | set(altered)):
             res.counts[f"altered:{a}"] += 1
         if not msgs:
-            res.dropped.append({**_ident(rec, k, n), "status": "skipped",
-                                "reason": "no_assistant_turn", "detail": "no assistant turn after a user turn"})
+            res.dropped.append(
+                {
+                    **_ident(rec, k, n),
+                    "status": "skipped",
+                    "reason": "no_assistant_turn",
+                    "detail": "no assistant turn after a user turn",
+                }
+            )
             res.counts["skipped:no_assistant_turn"] += 1
             continue
         convs.append(Conv(rec, msgs, assistant_positions(msgs), k, key=len(convs)))
@@ -177,16 +192,25 @@ def _truncate(path: Path, size: int) -> None:
 def summarize(counts: Counter, n: int = 1) -> dict:
     """Counts by status and reason. With n samples per conversation every count but `read` is in
     conversations x samples, so kept + failed + skipped = read x n."""
+
     def by(prefix: str) -> dict:
         return dict(sorted((k.split(":", 1)[1], v) for k, v in counts.items() if k.startswith(prefix + ":")))
+
     failed, skipped = by("failed"), by("skipped")
     total = counts["kept"] + sum(failed.values()) + sum(skipped.values())
-    return {"read": total // n, "samples": n, "kept": counts["kept"], "failed": failed, "skipped": skipped,
-            "altered": by("altered")}
+    return {
+        "read": total // n,
+        "samples": n,
+        "kept": counts["kept"],
+        "failed": failed,
+        "skipped": skipped,
+        "altered": by("altered"),
+    }
 
 
-def regenerate(input: str | Path, target: str | Path, out: str | Path,
-               settings: RegenerateSettings | None = None) -> dict:
+def regenerate(
+    input: str | Path, target: str | Path, out: str | Path, settings: RegenerateSettings | None = None
+) -> dict:
     """Regenerate every assistant turn of `input` with `target`; write `out/`; return the manifest."""
     from nestling.targets.load import resolve_target
 
@@ -197,8 +221,10 @@ def regenerate(input: str | Path, target: str | Path, out: str | Path,
     if s.max_new_tokens < 1 or s.chunk_size < 1 or s.n < 1:
         raise NestlingError("max_new_tokens, chunk_size and n must be at least 1")
     if s.n > 1 and s.temperature <= 0:
-        raise NestlingError(f"n={s.n} samples per conversation need sampling: set temperature > 0 "
-                            "(greedy answers would all be the same)")
+        raise NestlingError(
+            f"n={s.n} samples per conversation need sampling: set temperature > 0 "
+            "(greedy answers would all be the same)"
+        )
     target_dir = resolve_target(target)
     with outdir.claim(out, "regenerate", [("input file", input), ("target", target_dir), ("target", target)]):
         return _regenerate(input, target_dir, out, s)
@@ -213,8 +239,11 @@ def _regenerate(input: Path, target_dir: Path, out: Path, s: RegenerateSettings)
     engine_name = resolve_engine(s)
     cfg_len = getattr(load_config(target_dir), "max_position_embeddings", None) or 4096
     max_len = s.max_model_len or cfg_len
-    inputs = {"data": {"path": str(input.resolve()), "fingerprint": hash_file(input)},
-              "target": target_fingerprint(target_dir), "tokenizer": tokenizer_fingerprint(tokenizer)}
+    inputs = {
+        "data": {"path": str(input.resolve()), "fingerprint": hash_file(input)},
+        "target": target_fingerprint(target_dir),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+    }
     fingerprint = hash_json({"inputs": inputs, "settings": {k: getattr(s, k) for k in OUTPUT_FIELDS}})
 
     if (out / MANIFEST).exists():
@@ -222,23 +251,35 @@ def _regenerate(input: Path, target_dir: Path, out: Path, s: RegenerateSettings)
         if manifest.get("fingerprint") == fingerprint:
             log(f"[regenerate] {out} is already complete for these inputs and settings; nothing to do")
             return manifest
-        raise NestlingError(f"{out} holds a finished regeneration of other inputs or settings; use another --out or delete it")
+        raise NestlingError(
+            f"{out} holds a finished regeneration of other inputs or settings; use another --out or delete it"
+        )
     state_path = out / STATE
     state = json.loads(state_path.read_text()) if state_path.exists() else None
     if state and state.get("fingerprint") != fingerprint:
-        raise NestlingError(f"{out} holds an unfinished regeneration of other inputs or settings; "
-                            "rerun with the same ones to continue, or use another --out")
-    state = state or {"fingerprint": fingerprint, "chunks_done": 0, "bytes": {MESSAGES: 0, FAILED: 0},
-                      "counts": {}, "output_tokens": 0, "turns": 0, "truncated_turns": 0, "seconds": 0.0}
+        raise NestlingError(
+            f"{out} holds an unfinished regeneration of other inputs or settings; "
+            "rerun with the same ones to continue, or use another --out"
+        )
+    state = state or {
+        "fingerprint": fingerprint,
+        "chunks_done": 0,
+        "bytes": {MESSAGES: 0, FAILED: 0},
+        "counts": {},
+        "output_tokens": 0,
+        "turns": 0,
+        "truncated_turns": 0,
+        "seconds": 0.0,
+    }
     for name in (MESSAGES, FAILED):
         _truncate(out / name, state["bytes"][name])
 
     records = list(read_records(input))
     if s.limit:
         records = records[: s.limit]
-    chunks = [records[i:i + s.chunk_size] for i in range(0, len(records), s.chunk_size)]
+    chunks = [records[i : i + s.chunk_size] for i in range(0, len(records), s.chunk_size)]
     counts = Counter(state["counts"])
-    todo = chunks[state["chunks_done"]:]
+    todo = chunks[state["chunks_done"] :]
     if state["chunks_done"]:
         log(f"[regenerate] resuming: {state['chunks_done']}/{len(chunks)} chunks already done")
 
@@ -272,22 +313,35 @@ def _regenerate(input: Path, target_dir: Path, out: Path, s: RegenerateSettings)
 
     summary = summarize(counts, s.n)
     if summary["kept"] + sum(summary["failed"].values()) + sum(summary["skipped"].values()) != len(records) * s.n:
-        raise NestlingError(f"internal accounting error: {summary['read']} records accounted, {len(records)} read "
-                            f"(x {s.n} samples)")
+        raise NestlingError(
+            f"internal accounting error: {summary['read']} records accounted, {len(records)} read (x {s.n} samples)"
+        )
     secs = max(state["seconds"], 1e-9)
     cap_share = state["truncated_turns"] / max(1, state["turns"])
     manifest = write_manifest(
-        out, "regenerate", {**to_dict(s), "engine": engine_name, "max_model_len": max_len}, inputs,
-        fingerprint=fingerprint, target=str(target_dir), counts=summary,
-        files={"messages": MESSAGES, "failed": FAILED}, format="messages_jsonl",
-        generation={"turns": state["turns"], "output_tokens": state["output_tokens"],
-                    "truncated_turns": state["truncated_turns"], "truncated_share": round(cap_share, 4),
-                    "seconds": round(state["seconds"], 3),
-                    "conversations_per_s": round(len(records) / secs, 4),
-                    "output_tokens_per_s": round(state["output_tokens"] / secs, 2)},
+        out,
+        "regenerate",
+        {**to_dict(s), "engine": engine_name, "max_model_len": max_len},
+        inputs,
+        fingerprint=fingerprint,
+        target=str(target_dir),
+        counts=summary,
+        files={"messages": MESSAGES, "failed": FAILED},
+        format="messages_jsonl",
+        generation={
+            "turns": state["turns"],
+            "output_tokens": state["output_tokens"],
+            "truncated_turns": state["truncated_turns"],
+            "truncated_share": round(cap_share, 4),
+            "seconds": round(state["seconds"], 3),
+            "conversations_per_s": round(len(records) / secs, 4),
+            "output_tokens_per_s": round(state["output_tokens"] / secs, 2),
+        },
     )
-    log(f"[regenerate] done: {summary['kept']} kept, {sum(summary['failed'].values())} failed "
+    log(
+        f"[regenerate] done: {summary['kept']} kept, {sum(summary['failed'].values())} failed "
         f"{summary['failed']}, {sum(summary['skipped'].values())} skipped {summary['skipped']}; "
         f"{state['turns']} turns, {state['output_tokens']} tokens, {cap_share:.1%} of turns hit the "
-        f"{s.max_new_tokens}-token cap -> {out / MESSAGES} ({time.monotonic() - start:.1f} s)")
+        f"{s.max_new_tokens}-token cap -> {out / MESSAGES} ({time.monotonic() - start:.1f} s)"
+    )
     return manifest

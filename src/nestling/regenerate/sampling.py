@@ -44,8 +44,14 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def pick_tokens(logits: torch.Tensor, seeds: torch.Tensor, index: torch.Tensor, temperature: float,
-                top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+def pick_tokens(
+    logits: torch.Tensor,
+    seeds: torch.Tensor,
+    index: torch.Tensor,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> torch.Tensor:
     """The next token of every row: argmax when temperature is 0, else a seeded sample."""
     if temperature <= 0:
         return logits.argmax(-1)

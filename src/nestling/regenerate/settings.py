@@ -23,7 +23,9 @@ class RegenerateSettings:
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 1024  # per assistant turn
     seed: int = 0  # per-request seeds derive from it (sampling only)
-    n: int = 1  # answers per conversation: n > 1 writes n rows per input conversation, each sampled (needs temperature > 0)
+    n: int = (
+        1  # answers per conversation: n > 1 writes n rows per input conversation, each sampled (needs temperature > 0)
+    )
     reasoning: Reasoning = "keep"  # keep / strip <think>..</think> from answers / disable thinking in the template
     max_model_len: int = 0  # prompt + answer limit; 0 = the target's max_position_embeddings
     max_turns: int = 0  # regenerate (and keep) only the first N assistant turns; 0 = all
@@ -50,5 +52,17 @@ class RegenerateSettings:
 
 
 # Settings that determine the output; a rerun with different values must not resume a folder.
-OUTPUT_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "n", "reasoning",
-                 "max_model_len", "max_turns", "limit", "chunk_size", "save_token_ids")
+OUTPUT_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_new_tokens",
+    "seed",
+    "n",
+    "reasoning",
+    "max_model_len",
+    "max_turns",
+    "limit",
+    "chunk_size",
+    "save_token_ids",
+)

@@ -81,7 +81,9 @@ class StaticModel:
     def logits(self, tokens: torch.Tensor, pos: torch.Tensor, window: int) -> torch.Tensor:
         """Logits [rows, vocab] (float32) of the next token after `tokens` at positions `pos`,
         attending to cache positions < `window` that are <= each row's position."""
-        x = self.inner.embed_tokens(tokens)  # [rows, hidden]: 2-D, which CPU matmuls run much faster than [rows, 1, hidden]
+        x = self.inner.embed_tokens(
+            tokens
+        )  # [rows, hidden]: 2-D, which CPU matmuls run much faster than [rows, 1, hidden]
         cos, sin = self.inner.rotary_emb(x, pos[:, None])
         mask = torch.arange(window, device=pos.device)[None, :] <= pos[:, None]
         for i, layer in enumerate(self.layers):

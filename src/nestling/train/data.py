@@ -34,6 +34,7 @@ def capture_dataset(capture_dir: Path, split: str) -> CaptureDataset:
 
 # ---- packing --------------------------------------------------------------------------------------
 
+
 def pack(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
     """Greedy, in order: start a new microbatch when the next sample does not fit the budget."""
     out: list[list[int]] = []
@@ -96,8 +97,11 @@ class Stream:
         while len(self._plans) <= epoch:
             e = len(self._plans)
             n = len(self.lengths)
-            order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1000003 + e)).tolist()
-                     if self.shuffle else list(range(n)))
+            order = (
+                torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1000003 + e)).tolist()
+                if self.shuffle
+                else list(range(n))
+            )
             self._starts.append(self._starts[-1] + len(self._plans[-1]) if self._plans else 0)
             self._plans.append(pack(order, self.lengths, self.budget))
         return self._plans[epoch]

@@ -69,8 +69,11 @@ def full_state(model: torch.nn.Module, optimizer, d: Dist, parallel: str) -> tup
     optimizer state, on CPU."""
     inner = unwrap(model)
     if d.enabled and parallel == "fsdp":
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         sd = get_model_state_dict(model, options=opts)
@@ -80,12 +83,16 @@ def full_state(model: torch.nn.Module, optimizer, d: Dist, parallel: str) -> tup
     return inner.draft.export_state_dict(), optimizer.state_dict()
 
 
-def load_full_state(model: torch.nn.Module, optimizer, weights: dict, optim_state: dict, d: Dist,
-                    parallel: str) -> None:
+def load_full_state(
+    model: torch.nn.Module, optimizer, weights: dict, optim_state: dict, d: Dist, parallel: str
+) -> None:
     inner = unwrap(model)
     if d.enabled and parallel == "fsdp":
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         opts = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(model, {f"draft.{k}": v for k, v in weights.items()}, options=opts)

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 # ---- which mode a folder asks for ------------------------------------------------------------------
 
+
 def folder_stage(path: Path) -> str | None:
     """The stage that wrote `path` ('data', 'capture', ...), None when it is no complete stage folder."""
     try:
@@ -43,11 +44,13 @@ def check_mode(source: Path, online: bool) -> None:
         raise NestlingError(
             f"{source} is a data-stage folder (token ids, no hidden states). Train on it online, running the "
             f"target batch by batch: `nestling train {source} --online --target MODEL --out OUT`; or capture it "
-            f"first (`nestling capture {source} --target MODEL --out CAPTURE`) and train on CAPTURE")
+            f"first (`nestling capture {source} --target MODEL --out CAPTURE`) and train on CAPTURE"
+        )
     if online and stage == "capture":
         raise NestlingError(
             f"{source} is a capture folder: online training reads the data stage's folder instead "
-            "(the capture manifest's data_dir); or drop --online to train on the stored states")
+            "(the capture manifest's data_dir); or drop --online to train on the stored states"
+        )
 
 
 def is_online(s: "TrainSettings") -> bool:
@@ -55,6 +58,7 @@ def is_online(s: "TrainSettings") -> bool:
 
 
 # ---- the data stage's tokens, held compactly --------------------------------------------------------
+
 
 @dataclass
 class TokenSplit:
@@ -95,26 +99,33 @@ def read_split(data_dir: Path, split: str, vocab_size: int, max_pos: int | None)
         names = t.column("sample_id").to_pylist()
         bad = np.flatnonzero((n_ids == 0) | (n_ids != n_mask))
         if bad.size:
-            raise NestlingError(f"{data_dir}: sample {names[bad[0]]} is empty or its loss_mask length differs from "
-                                "its input_ids; run `nestling data` again")
+            raise NestlingError(
+                f"{data_dir}: sample {names[bad[0]]} is empty or its loss_mask length differs from "
+                "its input_ids; run `nestling data` again"
+            )
         if max_pos and n_ids.max() > max_pos:
             k = int(n_ids.argmax())
-            raise NestlingError(f"{data_dir}: sample {names[k]} has {n_ids[k]} tokens, more than the target's "
-                                f"max_position_embeddings {max_pos}; run `nestling data` with --max-length {max_pos}")
+            raise NestlingError(
+                f"{data_dir}: sample {names[k]} has {n_ids[k]} tokens, more than the target's "
+                f"max_position_embeddings {max_pos}; run `nestling data` with --max-length {max_pos}"
+            )
         sids += names
         ids_l.append(torch.from_numpy(np.asarray(ids.flatten(), dtype=np.int32).copy()))
         mask_l.append(torch.from_numpy(np.asarray(mask.flatten(), dtype=np.int8).copy()).bool())
         lens_l.append(torch.from_numpy(n_ids.astype(np.int64)))
     ids = torch.cat(ids_l) if ids_l else torch.zeros(0, dtype=torch.int32)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise NestlingError(f"{data_dir}: the {split} split holds token ids outside the target's vocabulary "
-                            f"(size {vocab_size}): it was tokenized for another target")
+        raise NestlingError(
+            f"{data_dir}: the {split} split holds token ids outside the target's vocabulary "
+            f"(size {vocab_size}): it was tokenized for another target"
+        )
     lens = torch.cat(lens_l) if lens_l else torch.zeros(0, dtype=torch.long)
     starts = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
     return TokenSplit(sids, ids, torch.cat(mask_l) if mask_l else torch.zeros(0, dtype=torch.bool), starts)
 
 
 # ---- inputs of an online run ----------------------------------------------------------------------
+
 
 @dataclass
 class OnlineData:
@@ -137,12 +148,20 @@ def online_inputs(data_dir: Path, s: "TrainSettings") -> "Inputs":
     from nestling.capture.run import check_data_tokenizer
     from nestling.data.dataset import SPLITS, split_files
     from nestling.targets.layers import default_aux_layers, num_layers, validate_layer_ids
-    from nestling.targets.load import load_config, load_tokenizer, resolve_target, target_fingerprint, tokenizer_fingerprint
+    from nestling.targets.load import (
+        load_config,
+        load_tokenizer,
+        resolve_target,
+        target_fingerprint,
+        tokenizer_fingerprint,
+    )
     from nestling.train.inputs import Inputs
 
     data_dir = Path(data_dir)
     if not data_dir.exists():
-        raise NestlingError(f"data folder {data_dir} does not exist; create it with `nestling data INPUT --target MODEL --out {data_dir}`")
+        raise NestlingError(
+            f"data folder {data_dir} does not exist; create it with `nestling data INPUT --target MODEL --out {data_dir}`"
+        )
     m = read_manifest(data_dir, "data")
     tgt = s.target or m.get("target")
     if not tgt:
@@ -161,9 +180,20 @@ def online_inputs(data_dir: Path, s: "TrainSettings") -> "Inputs":
         splits["heldout"] = heldout_split(Path(s.heldout_data), target, int(text.vocab_size), max_pos)
     if not len(splits.get("train", ())):
         raise NestlingError(f"{data_dir} holds no training samples; check the data stage's output")
-    index = {sp: [{"sample_id": i, "length": n} for i, n in zip(ts.sample_ids, ts.lengths())] for sp, ts in splits.items()}
-    return Inputs(data_dir, m, target, target_fingerprint(target), cfg, aux, index["train"], index.get("heldout", []),
-                  online=OnlineData(data_dir, layer_ids, splits))
+    index = {
+        sp: [{"sample_id": i, "length": n} for i, n in zip(ts.sample_ids, ts.lengths())] for sp, ts in splits.items()
+    }
+    return Inputs(
+        data_dir,
+        m,
+        target,
+        target_fingerprint(target),
+        cfg,
+        aux,
+        index["train"],
+        index.get("heldout", []),
+        online=OnlineData(data_dir, layer_ids, splits),
+    )
 
 
 def heldout_split(data_dir: Path, target: Path, vocab_size: int, max_pos: int | None) -> TokenSplit:
@@ -180,8 +210,13 @@ def heldout_split(data_dir: Path, target: Path, vocab_size: int, max_pos: int | 
     if not parts or not sum(len(p) for p in parts):
         raise NestlingError(f"heldout_data {data_dir} holds no samples; check the data stage's output")
     ids = torch.cat([p.ids for p in parts])
-    starts = torch.cat([torch.zeros(1, dtype=torch.long)] + [p.starts[1:] + off for p, off in
-                       zip(parts, torch.tensor([0] + [int(p.starts[-1]) for p in parts]).cumsum(0).tolist())])
+    starts = torch.cat(
+        [torch.zeros(1, dtype=torch.long)]
+        + [
+            p.starts[1:] + off
+            for p, off in zip(parts, torch.tensor([0] + [int(p.starts[-1]) for p in parts]).cumsum(0).tolist())
+        ]
+    )
     return TokenSplit([i for p in parts for i in p.sample_ids], ids, torch.cat([p.mask for p in parts]), starts)
 
 
@@ -212,11 +247,16 @@ def key_extra(inp: "Inputs", s: "TrainSettings", device: torch.device) -> dict:
 def manifest_extra(inp: "Inputs", s: "TrainSettings", device: torch.device) -> dict:
     if inp.online is None:
         return {"inputs": {"capture": hash_json(inp.manifest)}, "capture_dir": str(Path(inp.capture_dir).resolve())}
-    return {"inputs": {"data": hash_json(inp.manifest)}, "data_dir": str(inp.online.data_dir.resolve()),
-            "online": True, "target_dtype": target_dtype(s, device)}
+    return {
+        "inputs": {"data": hash_json(inp.manifest)},
+        "data_dir": str(inp.online.data_dir.resolve()),
+        "online": True,
+        "target_dtype": target_dtype(s, device),
+    }
 
 
 # ---- the target in the loop -----------------------------------------------------------------------
+
 
 class TargetStates:
     """The target on the training device: a packed CPU batch of token ids in, the same batch with its
@@ -242,14 +282,17 @@ class TargetStates:
         sorted_start, at = [0] * len(seqs), 0
         for i in order:
             sorted_start[i], at = at, at + len(seqs[i])
-        src = torch.cat([torch.arange(sorted_start[i], sorted_start[i] + len(seqs[i])) for i in range(len(seqs))]
-                        + [torch.arange(n, L)])  # pad rows read the zero block appended below
+        src = torch.cat(
+            [torch.arange(sorted_start[i], sorted_start[i] + len(seqs[i])) for i in range(len(seqs))]
+            + [torch.arange(n, L)]
+        )  # pad rows read the zero block appended below
         if L > n:
             parts.append(parts[0].new_zeros(L - n, *parts[0].shape[1:]))
         # outside inference mode: the result is an ordinary tensor the draft's autograd may save
         hidden = torch.cat(parts).index_select(0, self.backend.to_device(src))
-        return PackedBatch(b.input_ids, b.loss_mask, b.doc, b.pos, hidden[:, :-1].reshape(L, -1)[None],
-                           hidden[:, -1][None], n)
+        return PackedBatch(
+            b.input_ids, b.loss_mask, b.doc, b.pos, hidden[:, :-1].reshape(L, -1)[None], hidden[:, -1][None], n
+        )
 
     def close(self) -> None:
         self.backend.close()
@@ -268,6 +311,7 @@ def target_states(inp: "Inputs", s: "TrainSettings", device: torch.device) -> Ta
 
 # ---- `online: auto` (nestling run) ---------------------------------------------------------------
 
+
 def target_weight_bytes(target: Path, dtype: str) -> int:
     """The target's weights in `dtype` (safetensors sizes, rescaled when stored wider or narrower; a
     quantized checkpoint at its dequantized parameter count, as load_model holds it)."""
@@ -282,15 +326,19 @@ def target_weight_bytes(target: Path, dtype: str) -> int:
     return int(files * width.get(dtype, 2) / width.get(stored, 2))
 
 
-def draft_memory(trainable: int, hidden: int, vocab: int, inter: int, n_aux: int, draft_vocab: int,
-                 ttt_steps: int, batch_tokens: int) -> dict[str, int]:
+def draft_memory(
+    trainable: int, hidden: int, vocab: int, inter: int, n_aux: int, draft_vocab: int, ttt_steps: int, batch_tokens: int
+) -> dict[str, int]:
     """A rough upper bound of what training the draft holds on one device (docs/train.md), by part:
     fp32 weights, grads and Adam moments of the trainable part (16 B/param), the frozen embedding and
     teacher rows in bf16, the K steps' activations and draft-vocabulary logits of one microbatch plus
     the incoming states. Shared by `online: auto` and `nestling plan`."""
     H, dv, K, T = hidden, draft_vocab, ttt_steps, batch_tokens
-    return {"weights_grads_adam": 16 * trainable, "frozen_embedding_teacher": 2 * vocab * H * 2,
-            "activations": T * K * (dv * 4 * 2 + 40 * H * 4) + T * ((n_aux + 5) * H + 3 * inter) * 2}
+    return {
+        "weights_grads_adam": 16 * trainable,
+        "frozen_embedding_teacher": 2 * vocab * H * 2,
+        "activations": T * K * (dv * 4 * 2 + 40 * H * 4) + T * ((n_aux + 5) * H + 3 * inter) * 2,
+    }
 
 
 def draft_bytes_estimate(target: Path, s: "TrainSettings") -> int:
@@ -303,12 +351,23 @@ def draft_bytes_estimate(target: Path, s: "TrainSettings") -> int:
     config = load_config(target)
     text = getattr(config, "text_config", None) or config
     aux = list(s.aux_layer_ids) if s.aux_layer_ids else default_aux_layers(num_layers(config))
-    c = DraftConfig.from_target(config, min(s.draft_vocab_size, int(text.vocab_size)), aux,
-                                num_hidden_layers=s.draft_layers, **draft_norms(s))
+    c = DraftConfig.from_target(
+        config, min(s.draft_vocab_size, int(text.vocab_size)), aux, num_hidden_layers=s.draft_layers, **draft_norms(s)
+    )
     if s.intermediate_size:
         c.intermediate_size = s.intermediate_size
-    return sum(draft_memory(c.trainable_params(), c.hidden_size, c.vocab_size, c.intermediate_size, len(aux),
-                            c.draft_vocab_size, s.ttt_steps, s.batch_tokens).values())
+    return sum(
+        draft_memory(
+            c.trainable_params(),
+            c.hidden_size,
+            c.vocab_size,
+            c.intermediate_size,
+            len(aux),
+            c.draft_vocab_size,
+            s.ttt_steps,
+            s.batch_tokens,
+        ).values()
+    )
 
 
 def choose_online(s: "TrainSettings", target: Path) -> tuple[bool, str]:
@@ -323,16 +382,20 @@ def choose_online(s: "TrainSettings", target: Path) -> tuple[bool, str]:
     cuda = s.device == "cuda" or (s.device == "auto" and torch.cuda.is_available())
     if not cuda:
         if s.steps is None and s.epochs <= 1:
-            return True, (f"on a CPU a single pass (epochs {s.epochs:g}) runs the target once per token either way, "
-                          "and online stores nothing")
+            return True, (
+                f"on a CPU a single pass (epochs {s.epochs:g}) runs the target once per token either way, "
+                "and online stores nothing"
+            )
         passes = f"steps {s.steps} may pass over the data more than once" if s.steps else f"epochs {s.epochs:g} > 1"
         return False, f"on a CPU the capture is computed once and reread every pass ({passes})"
     dev = torch.device("cuda", torch.cuda.current_device())
     need_t = target_weight_bytes(target, target_dtype(s, dev))
     need_d = draft_bytes_estimate(target, s)
     free = torch.cuda.mem_get_info(dev)[0]
-    sizes = (f"target {format_bytes(need_t)} + draft ~{format_bytes(need_d)} against {format_bytes(free)} free "
-             f"on {torch.cuda.get_device_name(dev)}")
+    sizes = (
+        f"target {format_bytes(need_t)} + draft ~{format_bytes(need_d)} against {format_bytes(free)} free "
+        f"on {torch.cuda.get_device_name(dev)}"
+    )
     if need_t + need_d <= 0.9 * free:
         return True, f"the target fits beside the draft ({sizes})"
     return False, f"the target does not fit beside the draft ({sizes}); capturing first"

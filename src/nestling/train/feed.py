@@ -54,8 +54,10 @@ def load_step(run: Run, feed: Feed, at: int) -> list[PackedBatch]:
     """This rank's microbatches of step `at`, numbered globally: the same data whatever the split
     over ranks and accumulation steps. Runs in the prefetch thread."""
     G, d = run.plan.microbatches, run.d
-    bs = [load_batch(run, feed, feed.train_stream[at * G + a * d.world + d.rank], feed.train_ds)
-          for a in range(run.s.grad_accum)]
+    bs = [
+        load_batch(run, feed, feed.train_stream[at * G + a * d.world + d.rank], feed.train_ds)
+        for a in range(run.s.grad_accum)
+    ]
     return [b.pin() for b in bs] if run.device.type == "cuda" else bs
 
 

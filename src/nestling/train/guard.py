@@ -60,20 +60,27 @@ def check_due(step: int, total: int, every: Sequence[int]) -> bool:
     return step == total or any(n > 0 and step % n == 0 for n in every)
 
 
-def describe_non_finite(kind: str, at: int, microbatches_per_step: int, world: int,
-                        samples_of: Callable[[int], list[str]], where: str) -> str:
+def describe_non_finite(
+    kind: str, at: int, microbatches_per_step: int, world: int, samples_of: Callable[[int], list[str]], where: str
+) -> str:
     """The user's message: which step, which samples, the likely causes and what to do."""
     if kind == "loss":
         step, a = divmod(at, microbatches_per_step)
-        what = (f"the loss is not finite (NaN or inf) at step {step + 1}, microbatch {a // world} of rank {a % world}, "
-                f"samples {_names(samples_of(at))}")
+        what = (
+            f"the loss is not finite (NaN or inf) at step {step + 1}, microbatch {a // world} of rank {a % world}, "
+            f"samples {_names(samples_of(at))}"
+        )
     else:
         step = at
-        ids = [i for m in range(step * microbatches_per_step, (step + 1) * microbatches_per_step) for i in samples_of(m)]
+        ids = [
+            i for m in range(step * microbatches_per_step, (step + 1) * microbatches_per_step) for i in samples_of(m)
+        ]
         what = f"the gradient norm is not finite (NaN or inf) at step {step + 1} (its samples: {_names(ids)})"
-    return (f"training stopped: {what} of {where}.\n  The inputs hold NaN/inf values (check the capture with "
-            f"`nestling capture --verify DIR`) or training diverged (lower lr); checkpoints saved before step "
-            f"{step + 1} are kept and nothing was saved from the broken weights.")
+    return (
+        f"training stopped: {what} of {where}.\n  The inputs hold NaN/inf values (check the capture with "
+        f"`nestling capture --verify DIR`) or training diverged (lower lr); checkpoints saved before step "
+        f"{step + 1} are kept and nothing was saved from the broken weights."
+    )
 
 
 def _names(ids: list[str], n: int = 4) -> str:

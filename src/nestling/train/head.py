@@ -26,8 +26,10 @@ def read_head(target: Path, vocab_size: int, hidden_size: int) -> TargetHead:
     head = TargetHead(t[names["embed"]], t[names["lm_head"]])
     for what, w in (("embedding", head.embed), ("lm_head", head.lm_head)):
         if tuple(w.shape) != (vocab_size, hidden_size):
-            raise NestlingError(f"target {what} has shape {tuple(w.shape)}, but the capture says vocab {vocab_size} x "
-                                f"hidden {hidden_size}: the capture was made from another target")
+            raise NestlingError(
+                f"target {what} has shape {tuple(w.shape)}, but the capture says vocab {vocab_size} x "
+                f"hidden {hidden_size}: the capture was made from another target"
+            )
     return head
 
 

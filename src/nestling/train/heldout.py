@@ -34,5 +34,8 @@ def evaluate(run: Run, feed: Feed) -> dict | None:
     run.model.train()
     tot = dist.all_sum(tot, d).cpu()
     m = ttt_metrics(tot, s.ttt_decay)
-    return {**m, "sim_accept_len": simulated_acceptance_length([m[f"acc_{j}"] for j in range(K)]),
-            "tokens": int(tot[2, 0])}
+    return {
+        **m,
+        "sim_accept_len": simulated_acceptance_length([m[f"acc_{j}"] for j in range(K)]),
+        "tokens": int(tot[2, 0]),
+    }

@@ -46,8 +46,10 @@ def load_inputs(capture_dir: Path, s: TrainSettings) -> Inputs:
         raise NestlingError(f"intermediate_size must be 0 (the target's) or positive, got {s.intermediate_size}")
     features.check_mode(capture_dir, features.is_online(s))
     if s.heldout_data and not features.is_online(s):
-        raise NestlingError("heldout_data is an online option (a data folder the target runs over); offline, "
-                            "evaluation uses the capture's held-out split")
+        raise NestlingError(
+            "heldout_data is an online option (a data folder the target runs over); offline, "
+            "evaluation uses the capture's held-out split"
+        )
     return features.online_inputs(capture_dir, s) if features.is_online(s) else check_inputs(capture_dir, s)
 
 
@@ -59,16 +61,22 @@ def check_inputs(capture_dir: Path, s: TrainSettings) -> Inputs:
     m = read_manifest(capture_dir, "capture")
     layer_ids, aux = list(m.get("layer_ids") or []), list(m.get("aux_layer_ids") or [])
     if not aux or layer_ids[:-1] != aux:
-        raise NestlingError(f"capture manifest of {capture_dir} has layer_ids {layer_ids} and aux_layer_ids {aux}: "
-                            "expected the aux ids followed by the final state; capture again")
+        raise NestlingError(
+            f"capture manifest of {capture_dir} has layer_ids {layer_ids} and aux_layer_ids {aux}: "
+            "expected the aux ids followed by the final state; capture again"
+        )
     if s.aux_layer_ids is not None and list(s.aux_layer_ids) != aux:
-        raise NestlingError(f"the capture in {capture_dir} holds aux layers {aux}, but the settings ask for "
-                            f"{list(s.aux_layer_ids)}: capture again with --layers {','.join(map(str, list(s.aux_layer_ids) + layer_ids[-1:]))} "
-                            "or drop aux_layer_ids")
+        raise NestlingError(
+            f"the capture in {capture_dir} holds aux layers {aux}, but the settings ask for "
+            f"{list(s.aux_layer_ids)}: capture again with --layers {','.join(map(str, list(s.aux_layer_ids) + layer_ids[-1:]))} "
+            "or drop aux_layer_ids"
+        )
     final_state = m.get("final_state", "post_norm")
     if final_state != "post_norm":  # the draft's teacher reads the target's output: the post-norm state
-        raise NestlingError(f"capture {capture_dir} stores final_state {final_state!r}; nestling trains on the "
-                            "post-norm final state (what nestling's capture writes): capture again")
+        raise NestlingError(
+            f"capture {capture_dir} stores final_state {final_state!r}; nestling trains on the "
+            "post-norm final state (what nestling's capture writes): capture again"
+        )
     recorded = (m.get("inputs") or {}).get("target")
     tgt = s.target or m.get("target")
     if not tgt:
@@ -79,8 +87,10 @@ def check_inputs(capture_dir: Path, s: TrainSettings) -> Inputs:
         raise NestlingError(f"{e} (the target the capture was made from; pass target=PATH if it moved)") from None
     fp = target_fingerprint(target)
     if recorded and fp != recorded:
-        raise NestlingError(f"the capture in {capture_dir} was made from another target (fingerprint {recorded}) than "
-                            f"{target} ({fp}): train with the target it was captured from, or capture again")
+        raise NestlingError(
+            f"the capture in {capture_dir} was made from another target (fingerprint {recorded}) than "
+            f"{target} ({fp}): train with the target it was captured from, or capture again"
+        )
     cfg = load_config(target)
     text = getattr(cfg, "text_config", None) or cfg
     for key, want in (("hidden_size", text.hidden_size), ("vocab_size", text.vocab_size)):
@@ -100,19 +110,26 @@ def check_inputs(capture_dir: Path, s: TrainSettings) -> Inputs:
                     meta = f.metadata() or {}
                     shape = f.get_slice("hidden").get_shape()
             except Exception as e:  # noqa: BLE001 - safetensors' error types vary: a damaged file, whatever the cause
-                raise NestlingError(f"capture shard {path} cannot be read ({type(e).__name__}: {str(e)[:200]}): it is "
-                                    "cut off or damaged; delete it and run the same `nestling capture` command again "
-                                    "to redo it") from None
+                raise NestlingError(
+                    f"capture shard {path} cannot be read ({type(e).__name__}: {str(e)[:200]}): it is "
+                    "cut off or damaged; delete it and run the same `nestling capture` command again "
+                    "to redo it"
+                ) from None
             if meta.get("layer_ids") not in (None, ",".join(map(str, layer_ids))):
-                raise NestlingError(f"shard {path} holds layers {meta['layer_ids']}, the capture manifest says "
-                                    f"{layer_ids}: the folder mixes captures; capture again into a fresh folder")
+                raise NestlingError(
+                    f"shard {path} holds layers {meta['layer_ids']}, the capture manifest says "
+                    f"{layer_ids}: the folder mixes captures; capture again into a fresh folder"
+                )
             if list(shape[1:]) != [n_ids, int(text.hidden_size)]:
-                raise NestlingError(f"shard {path} holds hidden states of shape [*, {', '.join(map(str, shape[1:]))}], "
-                                    f"expected [*, {n_ids}, {text.hidden_size}]: from another target or layer set")
+                raise NestlingError(
+                    f"shard {path} holds hidden states of shape [*, {', '.join(map(str, shape[1:]))}], "
+                    f"expected [*, {n_ids}, {text.hidden_size}]: from another target or layer set"
+                )
     return Inputs(capture_dir, m, target, fp, cfg, aux, index["train"], index["heldout"])
 
 
 # ---- the draft vocabulary ------------------------------------------------------------------------------
+
 
 def supervised_token_counts(inp: Inputs, vocab_size: int) -> torch.Tensor:
     """Histogram of the supervised (loss_mask) tokens of the training split, read shard by shard."""
@@ -135,8 +152,10 @@ def make_vocab(inp: Inputs, s: TrainSettings, out: Path, vocab_size: int) -> tup
     tokens; checked against the target and the settings, so a draft never trains on another vocabulary."""
     counts = supervised_token_counts(inp, vocab_size)
     if counts.sum() == 0:
-        raise NestlingError(f"the training split of {inp.capture_dir} has no supervised tokens (loss_mask is all 0); "
-                            "check the data stage's chat template / loss mask")
+        raise NestlingError(
+            f"the training split of {inp.capture_dir} has no supervised tokens (loss_mask is all 0); "
+            "check the data stage's chat template / loss mask"
+        )
     if s.vocab:
         if not Path(s.vocab).exists():
             raise NestlingError(f"vocabulary file {s.vocab} does not exist")
@@ -147,12 +166,16 @@ def make_vocab(inp: Inputs, s: TrainSettings, out: Path, vocab_size: int) -> tup
         d2t, t2d = build_vocab(counts, min(s.draft_vocab_size, vocab_size))
     where = s.vocab or out / "vocab.safetensors"
     if t2d.numel() != vocab_size:
-        raise NestlingError(f"vocabulary {where} covers a target vocabulary of {t2d.numel()} tokens, the target has "
-                            f"{vocab_size}: it belongs to another target; remove it or pass a matching vocab")
+        raise NestlingError(
+            f"vocabulary {where} covers a target vocabulary of {t2d.numel()} tokens, the target has "
+            f"{vocab_size}: it belongs to another target; remove it or pass a matching vocab"
+        )
     ids = draft_ids_to_target(d2t)
     if ids.numel() != int(t2d.sum()) or not torch.equal(ids, t2d.nonzero().flatten()):
         raise NestlingError(f"vocabulary {where} is inconsistent: d2t and t2d name different tokens")
     if s.vocab is None and ids.numel() != min(s.draft_vocab_size, vocab_size):
-        raise NestlingError(f"vocabulary {where} has {ids.numel()} tokens, the settings ask for draft_vocab_size "
-                            f"{s.draft_vocab_size}: use a fresh --out folder or the matching setting")
+        raise NestlingError(
+            f"vocabulary {where} has {ids.numel()} tokens, the settings ask for draft_vocab_size "
+            f"{s.draft_vocab_size}: use a fresh --out folder or the matching setting"
+        )
     return d2t, t2d

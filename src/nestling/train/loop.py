@@ -30,9 +30,16 @@ def save_checkpoint(run: Run, at: int) -> None:
     rank waits for it, so no rank runs ahead of a checkpoint it may resume from."""
     weights, optim = dist.full_state(run.model, run.optimizer, run.d, run.s.parallel)
     if run.d.main:
-        ckpt.save(run.checkpoints, at, weights, optim, run.optimizer.scheduler_state(), run.plan.key,
-                  {"microbatches_done": at * run.plan.microbatches, "total_steps": run.plan.total, "world": run.d.world},
-                  run.s.keep_checkpoints)
+        ckpt.save(
+            run.checkpoints,
+            at,
+            weights,
+            optim,
+            run.optimizer.scheduler_state(),
+            run.plan.key,
+            {"microbatches_done": at * run.plan.microbatches, "total_steps": run.plan.total, "world": run.d.world},
+            run.s.keep_checkpoints,
+        )
     dist.barrier(run.d)
 
 
@@ -56,22 +63,33 @@ def run_steps(run: Run, feed: Feed, clocks: Clocks, metrics: MetricsLog, prog: P
         interval_tokens += tokens
         if check_due(step, total, (s.log_every, s.eval_every, s.checkpoint_every)):
             try:
-                guard.check(d, lambda kind, n: describe_non_finite(kind, n, G, d.world, samples_of, str(inp.capture_dir)))
+                guard.check(
+                    d, lambda kind, n: describe_non_finite(kind, n, G, d.world, samples_of, str(inp.capture_dir))
+                )
             except NestlingError:
                 prefetch.close()
                 raise
         if step % s.log_every == 0 or step == total:
             now = time.monotonic()
-            rec = {"step": step, "split": "train", "lr": run.optimizer.last_lr(),
-                   **ttt_metrics(dist.all_sum(sums, d).cpu(), s.ttt_decay),
-                   "grad_norm": float(gnorm) if gnorm is not None else None,
-                   "tokens_per_s": interval_tokens / max(now - t_last, 1e-9), **clocks.take()}
+            rec = {
+                "step": step,
+                "split": "train",
+                "lr": run.optimizer.last_lr(),
+                **ttt_metrics(dist.all_sum(sums, d).cpu(), s.ttt_decay),
+                "grad_norm": float(gnorm) if gnorm is not None else None,
+                "tokens_per_s": interval_tokens / max(now - t_last, 1e-9),
+                **clocks.take(),
+            }
             metrics.write(rec)
             sums.zero_()
             interval_tokens, t_last = 0, now
             if prog:
-                prog.extra.update(step=step, loss=rec["loss"], acc_0=rec["acc_0"],
-                                  **({"target_share": round(rec["target_share"], 3)} if clocks.online else {}))
+                prog.extra.update(
+                    step=step,
+                    loss=rec["loss"],
+                    acc_0=rec["acc_0"],
+                    **({"target_share": round(rec["target_share"], 3)} if clocks.online else {}),
+                )
         if prog:
             prog.update(1, tokens=tokens)
         if (s.eval_every > 0 and step % s.eval_every == 0) or step == total:
@@ -79,8 +97,10 @@ def run_steps(run: Run, feed: Feed, clocks: Clocks, metrics: MetricsLog, prog: P
             if ev is not None:
                 metrics.write({"step": step, "split": "heldout", **ev})
                 if d.main:
-                    log(f"[train] step {step} held-out: loss {ev['loss']:.4f} acc_0 {ev['acc_0']:.3f} "
-                        f"simulated acceptance length {ev['sim_accept_len']:.3f}")
+                    log(
+                        f"[train] step {step} held-out: loss {ev['loss']:.4f} acc_0 {ev['acc_0']:.3f} "
+                        f"simulated acceptance length {ev['sim_accept_len']:.3f}"
+                    )
         if step % s.checkpoint_every == 0 or step == total:
             save_checkpoint(run, step)
     prefetch.close()

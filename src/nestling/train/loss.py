@@ -71,8 +71,9 @@ class StepStats:
     count: torch.Tensor  # [steps]
 
 
-def ttt_loss(model, hiddens: list[torch.Tensor], t: Teacher, batch: PackedBatch, denom: torch.Tensor,
-             decay: float = 0.8) -> tuple[torch.Tensor, StepStats]:
+def ttt_loss(
+    model, hiddens: list[torch.Tensor], t: Teacher, batch: PackedBatch, denom: torch.Tensor, decay: float = 0.8
+) -> tuple[torch.Tensor, StepStats]:
     """Σ_j decay^j · (Σ soft-CE over supervised positions of step j) / denom[j]."""
     dev = hiddens[0].device
     loss = torch.zeros((), device=dev)
@@ -91,7 +92,7 @@ def ttt_loss(model, hiddens: list[torch.Tensor], t: Teacher, batch: PackedBatch,
         logp = F.log_softmax(logits, dim=-1)
         ce = -(t.probs[:, 1 + j : 1 + j + n] * logp).sum(-1)
         s = (ce * keep).sum()
-        loss = loss + (decay ** j) * s / max(float(denom[j]), 1.0)
+        loss = loss + (decay**j) * s / max(float(denom[j]), 1.0)
         with torch.no_grad():  # stays on the device: no sync per step
             hit = (logits.argmax(-1) == t.argmax[:, 1 + j : 1 + j + n]) & keep
             sums.append(s.detach().double())

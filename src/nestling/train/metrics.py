@@ -57,8 +57,11 @@ def ttt_metrics(tot: torch.Tensor, decay: float) -> dict:
     training log and the held-out evaluation, so the two always weigh steps alike)."""
     cnt = tot[2].clamp(min=1)
     loss_j, acc_j = (tot[0] / cnt).tolist(), (tot[1] / cnt).tolist()
-    return {"loss": sum(decay**j * v for j, v in enumerate(loss_j)), **{f"loss_{j}": v for j, v in enumerate(loss_j)},
-            **{f"acc_{j}": v for j, v in enumerate(acc_j)}}
+    return {
+        "loss": sum(decay**j * v for j, v in enumerate(loss_j)),
+        **{f"loss_{j}": v for j, v in enumerate(loss_j)},
+        **{f"acc_{j}": v for j, v in enumerate(acc_j)},
+    }
 
 
 def plot(metrics_path: Path, png: Path) -> None:

@@ -81,22 +81,30 @@ def _one_or_named(d: dict) -> dict:
     return next(iter(d.values())) if len(d) == 1 else d
 
 
-def build_optimizer(model: nn.Module, s: TrainSettings, lr: float, lr_lambda: Callable[[int], float],
-                    device: torch.device) -> Optimizers:
+def build_optimizer(
+    model: nn.Module, s: TrainSettings, lr: float, lr_lambda: Callable[[int], float], device: torch.device
+) -> Optimizers:
     """The optimizer(s) of `s.optimizer` over the trainable parameters of `model`."""
     betas = tuple(s.betas) if s.betas else (0.9, 0.95)
     fused = device.type == "cuda"
     named = list(model.named_parameters())
     if s.optimizer == "adamw":
         params = [p for _, p in named if p.requires_grad]
-        return Optimizers({"adamw": torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=s.weight_decay,
-                                                      fused=fused)}, lr_lambda)
+        return Optimizers(
+            {"adamw": torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=s.weight_decay, fused=fused)},
+            lr_lambda,
+        )
     muon, adamw = muon_split(named)
     parts: dict[str, torch.optim.Optimizer] = {}
     if muon:
-        parts["muon"] = torch.optim.Muon(muon, lr=s.muon_lr if s.muon_lr is not None else lr,
-                                         momentum=s.muon_momentum, weight_decay=s.muon_weight_decay,
-                                         ns_steps=MUON_NS_STEPS, adjust_lr_fn=MUON_ADJUST_LR)
+        parts["muon"] = torch.optim.Muon(
+            muon,
+            lr=s.muon_lr if s.muon_lr is not None else lr,
+            momentum=s.muon_momentum,
+            weight_decay=s.muon_weight_decay,
+            ns_steps=MUON_NS_STEPS,
+            adjust_lr_fn=MUON_ADJUST_LR,
+        )
     if adamw:
         parts["adamw"] = torch.optim.AdamW(adamw, lr=lr, betas=betas, weight_decay=s.weight_decay, fused=fused)
     return Optimizers(parts, lr_lambda)

@@ -22,23 +22,63 @@ from nestling.train.inputs import Inputs, make_vocab
 from nestling.train.settings import NORM_SETTING_PREFIX, TrainSettings, draft_norms, resolve_lr
 
 
-def _config_key(cfg: DraftConfig, d2t: torch.Tensor, inp: Inputs, s: TrainSettings, total: int, world: int,
-                device: torch.device, lr: float) -> str:
+def _config_key(
+    cfg: DraftConfig,
+    d2t: torch.Tensor,
+    inp: Inputs,
+    s: TrainSettings,
+    total: int,
+    world: int,
+    device: torch.device,
+    lr: float,
+) -> str:
     """What decides the trajectory; a checkpoint resumes only under the same key (`lr`: the one used,
     given or derived)."""
-    return hash_json({"draft": cfg.key_fields(), "vocab": hash_bytes(d2t.numpy().tobytes()), "target": inp.target_fp,
-                      "capture": hash_json(inp.manifest), "settings": trajectory_settings(s, lr), "total_steps": total,
-                      "global_microbatches": world * s.grad_accum, **features.key_extra(inp, s, device)})
+    return hash_json(
+        {
+            "draft": cfg.key_fields(),
+            "vocab": hash_bytes(d2t.numpy().tobytes()),
+            "target": inp.target_fp,
+            "capture": hash_json(inp.manifest),
+            "settings": trajectory_settings(s, lr),
+            "total_steps": total,
+            "global_microbatches": world * s.grad_accum,
+            **features.key_extra(inp, s, device),
+        }
+    )
 
 
 def trajectory_settings(s: TrainSettings, lr: float) -> dict:
     """The settings that decide the trajectory (the key's part). Draft norm settings that are off are
     left out, so that runs and checkpoints from before those settings existed keep their key."""
     norm_settings = {NORM_SETTING_PREFIX + k for k in NORM_OPTIONS}
-    return {k: v for k, v in {**to_dict(s), "lr": lr}.items() if k not in (
-        "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches", "log_every", "progress_interval",
-        "device", "attention", "compile", "parallel", "teacher_chunk", "target", "vocab", "grad_accum", "steps",
-        "epochs", "online", "target_dtype", "heldout_data") and not (k in norm_settings and not v)}
+    return {
+        k: v
+        for k, v in {**to_dict(s), "lr": lr}.items()
+        if k
+        not in (
+            "checkpoint_every",
+            "keep_checkpoints",
+            "eval_every",
+            "eval_batches",
+            "log_every",
+            "progress_interval",
+            "device",
+            "attention",
+            "compile",
+            "parallel",
+            "teacher_chunk",
+            "target",
+            "vocab",
+            "grad_accum",
+            "steps",
+            "epochs",
+            "online",
+            "target_dtype",
+            "heldout_data",
+        )
+        and not (k in norm_settings and not v)
+    }
 
 
 @dataclass
@@ -64,9 +104,15 @@ def plan_run(inp: Inputs, s: TrainSettings, out: Path, d: dist.Dist, device: tor
     text = getattr(inp.hf_config, "text_config", None) or inp.hf_config
     V, H = int(text.vocab_size), int(text.hidden_size)
     d2t, t2d = make_vocab(inp, s, out, V)
-    cfg = DraftConfig.from_target(inp.hf_config, int(d2t.numel()), inp.aux_layer_ids, target=str(inp.target),
-                                  target_fingerprint=inp.target_fp, num_hidden_layers=s.draft_layers,
-                                  **draft_norms(s))
+    cfg = DraftConfig.from_target(
+        inp.hf_config,
+        int(d2t.numel()),
+        inp.aux_layer_ids,
+        target=str(inp.target),
+        target_fingerprint=inp.target_fp,
+        num_hidden_layers=s.draft_layers,
+        **draft_norms(s),
+    )
     if s.intermediate_size:
         cfg.intermediate_size = s.intermediate_size
     G = d.world * s.grad_accum

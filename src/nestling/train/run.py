@@ -30,14 +30,16 @@ from nestling.train.settings import TrainSettings
 from nestling.train.timing import Clocks, Stopwatch
 
 
-def train(capture_dir: str | Path, out: str | Path, settings: TrainSettings | None = None,
-          resume: bool | str = False) -> dict:
+def train(
+    capture_dir: str | Path, out: str | Path, settings: TrainSettings | None = None, resume: bool | str = False
+) -> dict:
     """Train a draft on `capture_dir` into `out`; returns the manifest. `resume`: True (latest
     checkpoint in `out`) or a checkpoint folder."""
     s = settings or TrainSettings()
     out = Path(out)
-    device = torch.device("cuda" if s.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if s.device == "auto" else s.device))
+    device = torch.device(
+        "cuda" if s.device == "auto" and torch.cuda.is_available() else ("cpu" if s.device == "auto" else s.device)
+    )
     d = dist.init(device.type)
     if device.type == "cuda":
         device = torch.device("cuda", d.local_rank)
@@ -57,13 +59,28 @@ def claim_out(out: Path, inp: Inputs, s: TrainSettings, resume) -> contextlib.Ab
     ckpt_in = Path(resume) if isinstance(resume, (str, Path)) and str(resume) not in ("latest", "True") else None
     if ckpt_in is not None and own in ckpt_in.resolve().parents:
         ckpt_in = None
-    return outdir.claim(out, "train", [
-        ("data folder" if inp.online is not None else "capture folder", inp.capture_dir), ("target", inp.target),
-        ("vocabulary file", s.vocab), ("held-out data folder", s.heldout_data), ("checkpoint", ckpt_in)])
+    return outdir.claim(
+        out,
+        "train",
+        [
+            ("data folder" if inp.online is not None else "capture folder", inp.capture_dir),
+            ("target", inp.target),
+            ("vocabulary file", s.vocab),
+            ("held-out data folder", s.heldout_data),
+            ("checkpoint", ckpt_in),
+        ],
+    )
 
 
-def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch.device, d: dist.Dist,
-           hold: contextlib.ExitStack) -> dict:
+def _train(
+    capture_dir: Path,
+    out: Path,
+    s: TrainSettings,
+    resume,
+    device: torch.device,
+    d: dist.Dist,
+    hold: contextlib.ExitStack,
+) -> dict:
     inp = load_inputs(capture_dir, s)
     if d.main:  # the other ranks write nothing of their own into `out`
         hold.enter_context(claim_out(out, inp, s, resume))
@@ -77,8 +94,17 @@ def _train(capture_dir: Path, out: Path, s: TrainSettings, resume, device: torch
     clocks = Clocks(Stopwatch(device), Stopwatch(device), online=feed.target_fwd is not None)
     if d.main:
         _announce(run, inp)
-    prog = Progress("train", total=plan.total - run.step, unit="steps", interval=s.progress_interval,
-                    state_file=out / "progress.json" if d.main else None) if d.main else None
+    prog = (
+        Progress(
+            "train",
+            total=plan.total - run.step,
+            unit="steps",
+            interval=s.progress_interval,
+            state_file=out / "progress.json" if d.main else None,
+        )
+        if d.main
+        else None
+    )
     run_steps(run, feed, clocks, metrics, prog, inp)
     if feed.target_fwd is not None:
         feed.target_fwd.close()
@@ -102,11 +128,16 @@ def resume_point(out: Path, resume: bool | str | Path) -> Path | None:
     root = out / "checkpoints"
     if not resume:
         if ckpt.list_checkpoints(root):
-            raise NestlingError(f"{out} already holds checkpoints; pass --resume to continue from the latest, or use a fresh --out")
+            raise NestlingError(
+                f"{out} already holds checkpoints; pass --resume to continue from the latest, or use a fresh --out"
+            )
         return None
     cks = ckpt.list_checkpoints(root)
-    start = Path(resume) if isinstance(resume, (str, Path)) and str(resume) not in ("latest", "True") else (
-        cks[-1] if cks else None)
+    start = (
+        Path(resume)
+        if isinstance(resume, (str, Path)) and str(resume) not in ("latest", "True")
+        else (cks[-1] if cks else None)
+    )
     if start is None:
         log(f"[train] --resume: no checkpoint in {root}; starting from step 0")
     return start
@@ -114,14 +145,18 @@ def resume_point(out: Path, resume: bool | str | Path) -> Path | None:
 
 def _announce(run: Run, inp: Inputs) -> None:
     s, plan, d = run.s, run.plan, run.d
-    log(f"[train] {len(inp.train_index)} samples, {plan.train_stream.per_epoch()} microbatches/epoch of <= "
+    log(
+        f"[train] {len(inp.train_index)} samples, {plan.train_stream.per_epoch()} microbatches/epoch of <= "
         f"{s.batch_tokens} tokens; {plan.total} steps x {plan.microbatches} microbatches; K={s.ttt_steps}; draft vocab "
         f"{plan.cfg.draft_vocab_size}; {sum(p.numel() for p in run.params):,} trainable params; {run.device} "
-        f"{str(run.amp).split('.')[-1]}, attention {run.backend}, {d.world} rank(s)")
-    log(f"[train] lr {plan.lr:g} ({plan.lr_why}); optimizer {s.optimizer}"
+        f"{str(run.amp).split('.')[-1]}, attention {run.backend}, {d.world} rank(s)"
+    )
+    log(
+        f"[train] lr {plan.lr:g} ({plan.lr_why}); optimizer {s.optimizer}"
         + (f", muon_lr {s.muon_lr if s.muon_lr is not None else plan.lr:g}" if s.optimizer == "muon" else "")
         + ("; lm_head frozen at the target's rows" if s.freeze_lm_head else "")
-        + (f"; hidden_noise {s.hidden_noise:g}" if s.hidden_noise else ""))
+        + (f"; hidden_noise {s.hidden_noise:g}" if s.hidden_noise else "")
+    )
 
 
 def _finish(run: Run, inp: Inputs, metrics: MetricsLog) -> dict:
@@ -141,12 +176,23 @@ def _finish(run: Run, inp: Inputs, metrics: MetricsLog) -> dict:
         last_eval = metrics.last("heldout")
         extra = features.manifest_extra(inp, s, run.device)
         manifest = write_manifest(
-            out, "train", to_dict(s),
+            out,
+            "train",
+            to_dict(s),
             {**extra.pop("inputs"), "target": inp.target_fp},
-            config_key=plan.key, lr=plan.lr, lr_reason=plan.lr_why, target=str(inp.target),
-            target_fingerprint=inp.target_fp, aux_layer_ids=inp.aux_layer_ids,
+            config_key=plan.key,
+            lr=plan.lr,
+            lr_reason=plan.lr_why,
+            target=str(inp.target),
+            target_fingerprint=inp.target_fp,
+            aux_layer_ids=inp.aux_layer_ids,
             layer_ids=inp.online.layer_ids if inp.online else inp.manifest.get("layer_ids"),
-            **extra, draft_config=asdict(plan.cfg), steps=plan.total,
-            world_size=d.world, final_eval=last_eval, final_train=metrics.last("train"))
+            **extra,
+            draft_config=asdict(plan.cfg),
+            steps=plan.total,
+            world_size=d.world,
+            final_eval=last_eval,
+            final_train=metrics.last("train"),
+        )
     dist.barrier(d)
     return manifest if d.main else read_manifest(out, "train")

@@ -26,12 +26,16 @@ class TrainSettings:
     # optional draft norms (docs/train.md, "EAGLE-3.1 norms"); vLLM 0.32 reads them from config.json
     draft_fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per aux state before fc (vLLM's fc_norm)
     draft_norm_output: bool = False  # EAGLE-3.1: the next draft step reads the normed h (vLLM's norm_output)
-    draft_norm_before_residual: bool = False  # layer 0's residual is hidden_norm(g), not g (vLLM's norm_before_residual)
+    draft_norm_before_residual: bool = (
+        False  # layer 0's residual is hidden_norm(g), not g (vLLM's norm_before_residual)
+    )
     # online: run the target batch by batch on the training device (DIR = the data stage's folder)
     # instead of reading a capture; auto = decided by `nestling run` (docs/train.md), an error in `nestling train`
     online: bool | Literal["auto"] = "auto"
     target_dtype: Literal["auto", "bfloat16", "float32"] = "auto"  # online target; auto = capture's rule
-    heldout_data: str | None = None  # online: evaluate on this data folder (all its samples) instead of DIR's held-out split
+    heldout_data: str | None = (
+        None  # online: evaluate on this data folder (all its samples) instead of DIR's held-out split
+    )
 
     # how long
     epochs: float = 1.0
@@ -77,8 +81,10 @@ class TrainSettings:
         _check_positive("lr", self.lr)
         _check_positive("muon_lr", self.muon_lr)
         if self.steps is not None and self.steps < 1:
-            raise NestlingError(f"steps must be at least 1 (an untrained draft is no result), got {self.steps}; "
-                                "or leave it unset to train `epochs` passes")
+            raise NestlingError(
+                f"steps must be at least 1 (an untrained draft is no result), got {self.steps}; "
+                "or leave it unset to train `epochs` passes"
+            )
         _check_positive("epochs", self.epochs)
         for name in ("min_lr_ratio", "warmup_ratio"):
             v = getattr(self, name)
@@ -93,15 +99,21 @@ class TrainSettings:
         if self.optimizer not in ("adamw", "muon"):
             raise NestlingError(f"optimizer must be adamw or muon, got {self.optimizer!r}")
         if not (math.isfinite(self.hidden_noise) and self.hidden_noise >= 0):
-            raise NestlingError(f"hidden_noise is the half-width of uniform noise, >= 0 (0 = off), got {self.hidden_noise}")
+            raise NestlingError(
+                f"hidden_noise is the half-width of uniform noise, >= 0 (0 = off), got {self.hidden_noise}"
+            )
         if not (math.isfinite(self.ttt_decay) and self.ttt_decay > 0):
             raise NestlingError(f"ttt_decay must be > 0 (1.0 = equal step weights), got {self.ttt_decay}")
         if not 0 <= self.muon_momentum < 1 or self.muon_weight_decay < 0:
-            raise NestlingError(f"muon_momentum must lie in [0, 1) and muon_weight_decay be >= 0, got "
-                                f"{self.muon_momentum} and {self.muon_weight_decay}")
+            raise NestlingError(
+                f"muon_momentum must lie in [0, 1) and muon_weight_decay be >= 0, got "
+                f"{self.muon_momentum} and {self.muon_weight_decay}"
+            )
         if self.freeze_lm_head and self.lm_head_init != "target":
-            raise NestlingError("freeze_lm_head keeps lm_head at its initial rows, which only makes sense for "
-                                "lm_head_init=target (a frozen random head cannot predict anything)")
+            raise NestlingError(
+                "freeze_lm_head keeps lm_head at its initial rows, which only makes sense for "
+                "lm_head_init=target (a frozen random head cannot predict anything)"
+            )
 
 
 def draft_norms(s: TrainSettings) -> dict[str, bool]:
@@ -142,5 +154,7 @@ def resolve_lr(s: TrainSettings, hidden_size: int, total_steps: int) -> tuple[fl
     if s.lr is not None:
         return s.lr, "given"
     lr = default_lr(hidden_size, total_steps)
-    return lr, (f"default for hidden size {hidden_size} (2e-3 at <= {SMALL_HIDDEN}, 1e-4 at >= {LARGE_HIDDEN}, "
-                "log-linear between; set lr= to override)")
+    return lr, (
+        f"default for hidden size {hidden_size} (2e-3 at <= {SMALL_HIDDEN}, 1e-4 at >= {LARGE_HIDDEN}, "
+        "log-linear between; set lr= to override)"
+    )

@@ -33,8 +33,15 @@ def noise_seed(s: TrainSettings, microbatch: int) -> int | None:
     return microbatch_seed(s.seed, microbatch) if s.hidden_noise > 0 else None
 
 
-def train_step(run: Run, feed: Feed, batches: list[PackedBatch], step: int, guard: NonFiniteGuard, clocks: Clocks,
-               sums: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+def train_step(
+    run: Run,
+    feed: Feed,
+    batches: list[PackedBatch],
+    step: int,
+    guard: NonFiniteGuard,
+    clocks: Clocks,
+    sums: torch.Tensor,
+) -> tuple[torch.Tensor | None, int]:
     """One optimizer step over this rank's microbatches; adds their [loss, correct, count] x K into
     `sums`; returns (the clipped gradient norm, tokens over all ranks). The loss is divided by the
     step's supervised tokens over all ranks (`denom`), so splitting a step changes nothing."""
@@ -58,8 +65,12 @@ def train_step(run: Run, feed: Feed, batches: list[PackedBatch], step: int, guar
         sums += torch.stack([loss_sum, correct, count])
     with clocks.draft:
         gnorm = torch.nn.utils.clip_grad_norm_(run.params, s.grad_clip) if s.grad_clip > 0 else None
-        guard.note_grad(gnorm if gnorm is not None else torch.nn.utils.get_total_norm(
-            [p.grad for p in run.params if p.grad is not None]), step)
+        guard.note_grad(
+            gnorm
+            if gnorm is not None
+            else torch.nn.utils.get_total_norm([p.grad for p in run.params if p.grad is not None]),
+            step,
+        )
         run.optimizer.step()  # and the lr schedule
     run.optimizer.zero_grad(set_to_none=True)
     return gnorm, tokens

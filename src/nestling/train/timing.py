@@ -57,4 +57,7 @@ class Clocks:
 
     def take(self) -> dict:
         t_s, d_s = self.target.take(), self.draft.take()
-        return {"draft_s": d_s, **({"target_s": t_s, "target_share": t_s / max(t_s + d_s, 1e-9)} if self.online else {})}
+        return {
+            "draft_s": d_s,
+            **({"target_s": t_s, "target_share": t_s / max(t_s + d_s, 1e-9)} if self.online else {}),
+        }

@@ -39,14 +39,25 @@ class PackedBatch:
 
     def pin(self) -> "PackedBatch":
         f = lambda t: None if t is None else t.pin_memory()  # noqa: E731
-        return PackedBatch(f(self.input_ids), f(self.loss_mask), f(self.doc), f(self.pos), f(self.aux),
-                           f(self.final), self.num_tokens)
+        return PackedBatch(
+            f(self.input_ids), f(self.loss_mask), f(self.doc), f(self.pos), f(self.aux), f(self.final), self.num_tokens
+        )
 
     def to(self, device, dtype=None) -> "PackedBatch":
         def f(t):
-            return None if t is None else t.to(device, dtype=dtype if t.is_floating_point() else None, non_blocking=True)
-        return PackedBatch(self.input_ids.to(device), self.loss_mask.to(device), self.doc.to(device),
-                           self.pos.to(device), f(self.aux), f(self.final), self.num_tokens)
+            return (
+                None if t is None else t.to(device, dtype=dtype if t.is_floating_point() else None, non_blocking=True)
+            )
+
+        return PackedBatch(
+            self.input_ids.to(device),
+            self.loss_mask.to(device),
+            self.doc.to(device),
+            self.pos.to(device),
+            f(self.aux),
+            f(self.final),
+            self.num_tokens,
+        )
 
 
 def shift_in_doc(x: torch.Tensor, doc: torch.Tensor, s: int, fill: int = 0) -> torch.Tensor:
@@ -60,6 +71,7 @@ def shift_in_doc(x: torch.Tensor, doc: torch.Tensor, s: int, fill: int = 0) -> t
 
 
 # ---- attention over [step-0 keys | chain keys] ------------------------------------------------------
+
 
 def ttt_mask(doc: torch.Tensor, j: int) -> torch.Tensor:
     """Boolean mask [B, 1, L, (j+1)L] over [step-0 keys | chain keys 1..j] (True = may attend).
@@ -133,8 +145,9 @@ def _prefix_attention(q, k0, v0, doc, backend: str, block_mask=None):
         except ImportError:  # torch < 2.9
             out, lse = _flex_attention()(q, k0, v0, block_mask=block_mask, enable_gqa=rep != 1, return_lse=True)
             return out, lse.float()
-        out, aux = _flex_attention()(q, k0, v0, block_mask=block_mask, enable_gqa=rep != 1,
-                                     return_aux=AuxRequest(lse=True))
+        out, aux = _flex_attention()(
+            q, k0, v0, block_mask=block_mask, enable_gqa=rep != 1, return_aux=AuxRequest(lse=True)
+        )
         return out, aux.lse.float()
     scale = q.shape[-1] ** -0.5
     k0, v0 = repeat_kv(k0, rep), repeat_kv(v0, rep)
@@ -155,7 +168,7 @@ def chain_attention(q, ks: list[torch.Tensor], vs: list[torch.Tensor], doc, back
         return out0.transpose(1, 2).reshape(B, L, -1)
     kv = ks[0].shape[1]
     qg = q.float().view(B, kv, h // kv, L, D)
-    scale = D ** -0.5
+    scale = D**-0.5
     diag = torch.stack([(qg * k.float().unsqueeze(2)).sum(-1).view(B, h, L) * scale for k in ks[1:]])  # [j,B,h,L]
     lse = torch.logsumexp(torch.cat([lse0[None], diag]), dim=0)
     out = torch.exp(lse0 - lse)[..., None] * out0.float()
@@ -194,6 +207,7 @@ def ttt_hidden(model: Eagle3Draft, batch: PackedBatch, steps: int, backend: str 
 
 
 # ---- the step-by-step reference (the engine's way) --------------------------------------------------
+
 
 @torch.no_grad()
 def reference_logits(model: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, steps: int) -> torch.Tensor:
