@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Iterator
 from pathlib import Path
 
 from nestling.errors import NestlingError
+from nestling.targets.load import added_tokens_state
 
 if TYPE_CHECKING:
     import numpy as np
@@ -141,18 +142,7 @@ class FileTokenizer:
 def format_key(fmt: ChatFormat) -> tuple:
     """Everything `encode_conversations` reads from a ChatFormat: equal keys give identical output."""
     be = fmt.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
-    added = sorted(
-        (
-            int(i),
-            str(t.content),
-            bool(t.special),
-            bool(t.normalized),
-            bool(t.lstrip),
-            bool(t.rstrip),
-            bool(t.single_word),
-        )
-        for i, t in fmt.tokenizer.added_tokens_decoder.items()  # type: ignore[attr-defined]
-    )
+    added = added_tokens_state(fmt.tokenizer)
     return (
         be.to_str(),
         bool(getattr(be, "encode_special_tokens", False)),

@@ -357,12 +357,9 @@ def _backend_state(tokenizer) -> str:
     return hash_bytes(state.encode())
 
 
-def tokenizer_fingerprint(tokenizer, chat_template: str | None = None) -> str:
-    """The whole tokenizer state + added tokens + special tokens + chat template: equal fingerprints
-    tokenize and render identically. (Version 1 hashed the vocabulary only: a tokenizer with merges
-    removed, or another normalizer or pre-tokenizer, splits text differently under the same vocabulary.)"""
-    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
-    added = sorted(
+def added_tokens_state(tokenizer) -> list[tuple]:
+    """Every added token with the flags that change how text around it splits (sorted by id)."""
+    return sorted(
         (
             int(i),
             str(t.content),
@@ -374,6 +371,14 @@ def tokenizer_fingerprint(tokenizer, chat_template: str | None = None) -> str:
         )
         for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
     )
+
+
+def tokenizer_fingerprint(tokenizer, chat_template: str | None = None) -> str:
+    """The whole tokenizer state + added tokens + special tokens + chat template: equal fingerprints
+    tokenize and render identically. (Version 1 hashed the vocabulary only: a tokenizer with merges
+    removed, or another normalizer or pre-tokenizer, splits text differently under the same vocabulary.)"""
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    added = added_tokens_state(tokenizer)
     return hash_json(
         {
             "version": TOKENIZER_FINGERPRINT_VERSION,
