@@ -92,7 +92,7 @@ def test_reader_drops_unanswerable_turns_and_strip_removes_thinking(tmp_path):
     assert postprocess("<think>x</think>A", "keep") == "<think>x</think>A"
 
 
-def test_overflow_fails_with_reason_and_counts_add_up(tmp_path, tiny_target):
+def test_overflow_fails_with_reason_and_counts_add_up(tmp_path, tiny_target, capsys):
     target = tiny_target("llama")
     data = _write_jsonl(tmp_path / "in.jsonl", ROWS)
     s = RegenerateSettings(engine="hf", max_new_tokens=4, max_model_len=256, chunk_size=3, save_token_ids=True)
@@ -116,6 +116,12 @@ def test_overflow_fails_with_reason_and_counts_add_up(tmp_path, tiny_target):
         assert len(answers) == len(k["completion_token_ids"]) and all(a not in ("old", "old2") for a in answers)
         assert all(1 <= len(t) <= 4 for t in k["completion_token_ids"])
     assert m["generation"]["turns"] == 4  # 3 kept answers + late_long's first, generated before it overflowed
+    # progress counts planned turns: the ones an overflow cancelled are counted when their chunk is written
+    done = [
+        line for line in capsys.readouterr().err.splitlines() if line.startswith("[regenerate] ") and " turn (" in line
+    ]
+    total = int(done[-1].split()[1].split("/")[1])
+    assert total > m["generation"]["turns"] and f"{total}/{total} turn (100.0%)" in done[-1]
 
 
 def test_rerun_is_a_no_op_and_other_settings_are_refused(tmp_path, tiny_target):

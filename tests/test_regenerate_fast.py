@@ -291,7 +291,9 @@ def test_streamed_turns_equal_turn_by_turn_waves(tiny_target, tmp_path, monkeypa
         hf_stream=True,
     )  # 4 slots x 256 tokens: later turns outgrow it
     regenerate(src, tiny_target("llama"), tmp_path / "stream", s)
-    assert "running them with a 512-token cache" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "running them with a 512-token cache" in err
+    assert "13/13 turn (100.0%)" in err and "conv=7/7" in err  # progress counts turns as answers come in
     monkeypatch.setattr(Engine, "stream", lambda self, first, follow: waves(self, first, follow))
     regenerate(src, tiny_target("llama"), tmp_path / "waves", s)
     streamed = _rows(tmp_path / "stream")

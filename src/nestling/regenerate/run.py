@@ -114,9 +114,16 @@ class Turns:
             c.turn += 1
             if c.turn < len(c.positions):
                 nxt.append(c)
-        if self.progress is not None:
-            self.progress.update(0, tokens=sum(o.num_tokens for _, o in done))
+        if self.progress is not None:  # a failed answer is a turn done too: the count reaches the plan
+            self.progress.update(len(done), tokens=sum(o.num_tokens for _, o in done))
         return self.ask(nxt)
+
+
+def planned_turns(records: list[Record], s: RegenerateSettings) -> int:
+    """The assistant turns a chunk will generate if none fails (what progress counts against)."""
+    return max(1, s.n) * sum(
+        len(assistant_positions(plan(r.messages or [], s.max_turns)[0])) for r in records if not r.skip
+    )
 
 
 def run_chunk(
@@ -289,11 +296,15 @@ def _regenerate(input: Path, target_dir: Path, out: Path, s: RegenerateSettings)
         if engine.max_model_len and engine.max_model_len < max_len:
             log(f"[regenerate] the engine allows {engine.max_model_len} tokens per sequence; using that limit")
             max_len = engine.max_model_len
-    progress = Progress("regenerate", total=sum(len(c) for c in todo), unit="conv")
+    # Counted in turns, as answers come in (a chunk may be all of the input: conversations are only
+    # counted when it is written); turns lost to a failed conversation are counted at its chunk's end.
+    planned = [planned_turns(chunk, s) for chunk in todo]
+    progress = Progress("regenerate", total=sum(planned), unit="turn")
     start = time.monotonic()
     try:
-        for chunk in todo:
-            t0 = time.monotonic()
+        written = 0  # conversations of this run written so far
+        for chunk, turns in zip(todo, planned):
+            t0, before = time.monotonic(), progress.done
             res = run_chunk(chunk, engine, tokenizer, s, max_len, progress)
             state["bytes"][MESSAGES] = _append(out / MESSAGES, res.kept)
             state["bytes"][FAILED] = _append(out / FAILED, res.dropped)
@@ -304,7 +315,8 @@ def _regenerate(input: Path, target_dir: Path, out: Path, s: RegenerateSettings)
                 state[k] += getattr(res, k)
             state["seconds"] += time.monotonic() - t0
             atomic_write_json(state_path, state)  # the commit: files up to these sizes are final
-            progress.update(len(chunk))
+            written += len(chunk)
+            progress.update(turns - (progress.done - before), conv=f"{written}/{sum(map(len, todo))}")
     finally:
         if engine is not None:
             engine.close()
