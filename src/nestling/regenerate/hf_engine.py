@@ -83,6 +83,12 @@ def short_length(slots: int, cache_tokens: int) -> int:
     return max(WINDOW_STEP, cache_length(max(1, cache_tokens // max(1, slots)) + 1) // 2)
 
 
+def slot_count(requests: int, slots: int, cache_tokens: int, length: int) -> int:
+    """Slots for `requests` at this cache length: a power of two (so calls reuse a decoder and its CUDA
+    graphs), at most `slots` and what `cache_tokens` hold, at least one."""
+    return max(1, min(1 << (requests - 1).bit_length(), slots, cache_tokens // length))
+
+
 def fast_groups(needs: list[int], slots: int, cache_tokens: int) -> list[tuple[list[int], int, int]]:
     """Requests split into at most two runs, (indices, slots, cache length) each: those that fit the
     cache at full slot count, then the longer ones with fewer slots (the cache is slots x length).
@@ -94,8 +100,7 @@ def fast_groups(needs: list[int], slots: int, cache_tokens: int) -> list[tuple[l
     for idx in parts:
         if idx:
             length = cache_length(max(needs[i] for i in idx))
-            n = max(1, min(1 << (len(idx) - 1).bit_length(), slots, cache_tokens // length))
-            out.append((idx, n, length))
+            out.append((idx, slot_count(len(idx), slots, cache_tokens, length), length))
     return out
 
 
@@ -232,7 +237,7 @@ class HFEngine:
             return admit(follow([(keys[i], self._completion(gen, limits[i])) for i, gen in done]))
 
         jobs = admit(reqs)
-        slots = max(1, min(1 << (len(jobs) - 1).bit_length(), self.slots, self.cache_tokens // length))
+        slots = slot_count(len(jobs), self.slots, self.cache_tokens, length)
         with self.torch.inference_mode():
             self._decoder(slots, length).stream(jobs, 65536 if self.on_cuda else 8192, on_done)
         return parked
