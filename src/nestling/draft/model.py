@@ -42,6 +42,13 @@ from nestling.errors import NestlingError
 NORM_OPTIONS = ("fc_norm", "norm_output", "norm_before_residual")
 
 
+def without_off_norms(fields: dict, prefix: str = "") -> dict:
+    """`fields` less the norm options (named `prefix` + option) that are off: what a run key hashes, so
+    that runs and checkpoints from before the options existed keep their key."""
+    names = {prefix + k for k in NORM_OPTIONS}
+    return {k: v for k, v in fields.items() if not (k in names and not v)}
+
+
 @dataclass
 class DraftConfig:
     """Shapes of the draft (copied from the target) plus its vocabulary and aux layers."""
@@ -140,7 +147,7 @@ class DraftConfig:
     def key_fields(self) -> dict:
         """The fields that identify a training run: all of them, less the norm options that are off, so
         that runs (and checkpoints) from before the options existed keep their key."""
-        return {k: v for k, v in asdict(self).items() if not (k in NORM_OPTIONS and not v)}
+        return without_off_norms(asdict(self))
 
     def llama_config(self):
         """The equivalent transformers LlamaConfig (for rotary init and for export)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from nestling.config import to_dict
-from nestling.draft.model import NORM_OPTIONS, DraftConfig
+from nestling.draft.model import DraftConfig, without_off_norms
 from nestling.manifest import hash_bytes, hash_json
 from nestling.train import dist, features
 from nestling.train.data import Stream
@@ -51,8 +51,7 @@ def _config_key(
 def trajectory_settings(s: TrainSettings, lr: float) -> dict:
     """The settings that decide the trajectory (the key's part). Draft norm settings that are off are
     left out, so that runs and checkpoints from before those settings existed keep their key."""
-    norm_settings = {NORM_SETTING_PREFIX + k for k in NORM_OPTIONS}
-    return {
+    kept = {
         k: v
         for k, v in {**to_dict(s), "lr": lr}.items()
         if k
@@ -77,8 +76,8 @@ def trajectory_settings(s: TrainSettings, lr: float) -> dict:
             "target_dtype",
             "heldout_data",
         )
-        and not (k in norm_settings and not v)
     }
+    return without_off_norms(kept, NORM_SETTING_PREFIX)
 
 
 @dataclass
