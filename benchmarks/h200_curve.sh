@@ -11,6 +11,7 @@
 #   or, after `stage`: [REGEN_SECONDS=240] bash benchmarks/h200_curve.sh regen RECIPE  (target-written data, one call)
 #   then, warm:        bash benchmarks/h200_curve.sh same data=human,RECIPE TOKENS  (the same conversations' human answers)
 #   or, after `stage`: bash benchmarks/h200_curve.sh regenall  (every training conversation, in the background)
+#   then, warm:        [WAIT_SECONDS=560] bash benchmarks/h200_curve.sh waitdata  (if it is not done yet)
 #   then, warm:        [WAIT_SECONDS=300] bash benchmarks/h200_curve.sh same data=regen,RECIPE TOKENS
 # Locally: cat the draft-*.tar.* parts, untar, and measure in vLLM with benchmarks/quality.py --draft.
 set -euo pipefail
@@ -32,6 +33,12 @@ setup() {  # the code, the wheels, the target (staged part + carried part, md5-c
   cat /root/stage/gguf.a .dev/b/gguf.b > /root/smollm2.gguf
   echo "$(cat .dev/b/gguf.md5)  /root/smollm2.gguf" | md5sum -c
   python3 -c "import zipfile; zipfile.ZipFile('.dev/b/sharegpt.whl').extractall('/root/sg')"
+}
+report() {  # where `regenall` stands: the engine's lines, the last progress line, its results when done
+  grep -a "hf engine\|done:\|\[curve\]\|Error" $W/prep.log | tail -20
+  tr '\r' '\n' < $W/prep.log | grep -a "tok/s" | tail -1
+  cp $W/prep/learning_curve.json $OUT/regenall.json 2>/dev/null || echo "[h200] still regenerating"
+  cp $W/prep.log $OUT/regenall.log 2>/dev/null || true
 }
 case "$1" in
 stage)
@@ -100,8 +107,11 @@ regenall)  # after `stage`: the target regenerates every training conversation (
     --max-length 2048 --phase prepare --regen-pilot 0 --regen-conversations 1000000 --regen-chunk 1000000 --regen-max-turns 16 \
     --regen-max-new-tokens 384 > $W/prep.log 2>&1 &)
   while [ ! -f $W/data-human/manifest.json ] && [ $(date +%s) -lt $((T0 + ${WAIT_SECONDS:-560})) ]; do sleep 5; done
-  grep -a "hf engine\|done:\|\[curve\]\|Error" $W/prep.log | tail -20
-  cp $W/prep/learning_curve.json $OUT/regenall.json 2>/dev/null || echo "[h200] still regenerating" ;;
+  report ;;
+waitdata)  # after `regenall`, warm: wait up to WAIT_SECONDS more for its data (so that `same` gets a whole call)
+  T0=$(date +%s)
+  while [ ! -f $W/data-human/manifest.json ] && [ $(date +%s) -lt $((T0 + ${WAIT_SECONDS:-560})) ]; do sleep 5; done
+  report ;;
 same)  # after `regen` or `regenall` on the warm machine: RECIPE for TOKENS training tokens on data from $W
   # (data=regen: the target's answers; data=human: the same conversations' ShareGPT answers), its draft back
   T0=$(date +%s)
