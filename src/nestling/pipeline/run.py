@@ -183,29 +183,48 @@ def run_config(
                 f"{flag} {n}: that stage is disabled in this config (add a '{n}:' section"
                 + (", or set train.online: false)" if n == "capture" else ")")
             )
-    fingerprints = run_fingerprints(target, inputs, prompts)
     run_dir = Path(config.run_dir)
     check_run_dir(run_dir, active, target, inputs, prompts)
+    redo = set(force) | (set(names[names.index(from_stage) :]) if from_stage else set())
+    plan = RunPlan(
+        config=config,
+        active=active,
+        run_dir=run_dir,
+        target=target,
+        inputs=inputs,
+        prompts=prompts,
+        fingerprints=run_fingerprints(target, inputs, prompts),
+        redo=frozenset(redo),
+        until=until,
+        dry_run=dry_run,
+        header=header,
+        mode_note=mode_note,
+    )
     run_dir.mkdir(parents=True, exist_ok=True)
     with run_lock(run_dir):
-        return _run(
-            config,
-            active,
-            names,
-            stages,
-            from_stage,
-            force,
-            until,
-            dry_run,
-            header,
-            after_stage,
-            target,
-            inputs,
-            prompts,
-            fingerprints,
-            run_dir,
-            mode_note,
-        )
+        return _run(plan, after_stage)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a `nestling run` call resolved before any stage runs: what the stages read and which to redo."""
+
+    config: RunConfig
+    active: list[Stage]  # the enabled stages, in order
+    run_dir: Path
+    target: str
+    inputs: list[str]
+    prompts: str | None
+    fingerprints: dict[str, str]
+    redo: frozenset[str]  # stages redone from an empty folder (--force, and --from onwards)
+    until: str | None
+    dry_run: bool
+    header: str
+    mode_note: str | None  # why train runs online or offline
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.active]
 
 
 @contextmanager
@@ -215,74 +234,32 @@ def run_lock(run_dir: Path) -> Iterator[None]:
         yield
 
 
-def _run(
-    config,
-    active,
-    names,
-    stages,
-    from_stage,
-    force,
-    until,
-    dry_run,
-    header,
-    after_stage,
-    target,
-    inputs,
-    prompts,
-    fingerprints,
-    run_dir,
-    mode_note=None,
-) -> list[StageOutcome]:
+def _run(plan: RunPlan, after_stage: Callable[[StageOutcome], None] | None) -> list[StageOutcome]:
+    run_dir = plan.run_dir
     atomic_write_json(
         run_dir / RUN_FILE,
-        {"stages": names, "config": config.to_dict(), "target": target, "inputs": inputs, "fingerprints": fingerprints},
+        {
+            "stages": plan.names,
+            "config": plan.config.to_dict(),
+            "target": plan.target,
+            "inputs": plan.inputs,
+            "fingerprints": plan.fingerprints,
+        },
     )
-    redo_from = names.index(from_stage) if from_stage else len(names)
     outcomes: list[StageOutcome] = []
     previous = ""
-    with tee_stderr(run_dir / RUN_LOG, f"{header} {run_dir}"):
+    with tee_stderr(run_dir / RUN_LOG, f"{plan.header} {run_dir}"):
         t_run = time.monotonic()
-        if mode_note:
-            log(f"[run] train: {mode_note}")
-        for i, stage in enumerate(active):
-            settings = config.settings[stage.name]
-            key = stage_key(stage, settings, previous, fingerprints)
+        if plan.mode_note:
+            log(f"[run] train: {plan.mode_note}")
+        for stage in plan.active:
+            key = stage_key(stage, plan.config.settings[stage.name], previous, plan.fingerprints)
             previous = key
-            out = run_dir / stage.name
-            state = read_state(run_dir, stage.name)
-            redo = stage.name in force or i >= redo_from
-            same = state is not None and state.get("key") == key
-            if not redo and same and state.get("status") == "complete" and out.exists():
-                log(f"[run] {stage.name}: complete (key {key}), skipped")
-                outcomes.append(StageOutcome(stage.name, "skipped", key, out, state.get("wall_s", 0.0)))
-            else:
-                action = "resumed" if same and not redo and out.exists() else "ran"
-                if action == "ran":
-                    why = "forced" if redo else "settings or inputs changed" if state else "first run"
-                    clear_stage(run_dir, stage)
-                    log(f"[run] {stage.name}: starting ({why}; key {key})")
-                else:
-                    log(f"[run] {stage.name}: resuming the interrupted run in {out} (key {key})")
-                outcomes.append(
-                    _run_stage(
-                        stage,
-                        settings,
-                        key,
-                        action,
-                        run_dir,
-                        out,
-                        target,
-                        inputs,
-                        prompts,
-                        tuple(names),
-                        dry_run,
-                        state,
-                    )
-                )
+            outcomes.append(_do_stage(plan, stage, key))
             if after_stage is not None:
                 after_stage(outcomes[-1])
-            if stage.name == until:
-                log(f"[run] stopping after {until} (--until)")
+            if stage.name == plan.until:
+                log(f"[run] stopping after {plan.until} (--until)")
                 break
         log(
             f"[run] done in {format_duration(time.monotonic() - t_run)}: "
@@ -291,20 +268,29 @@ def _run(
     return outcomes
 
 
-def _run_stage(
-    stage: Stage,
-    settings: Any,
-    key: str,
-    action: str,
-    run_dir: Path,
-    out: Path,
-    target: str,
-    inputs: list[str],
-    prompts: str | None,
-    names: tuple[str, ...],
-    dry_run: bool,
-    old: dict | None,
-) -> StageOutcome:
+def _do_stage(plan: RunPlan, stage: Stage, key: str) -> StageOutcome:
+    """Skip the stage when it completed with this key, resume it when it was interrupted with this
+    key, else run it from an empty folder."""
+    out = plan.run_dir / stage.name
+    state = read_state(plan.run_dir, stage.name)
+    redo = stage.name in plan.redo
+    same = state is not None and state.get("key") == key
+    if not redo and same and state is not None and state.get("status") == "complete" and out.exists():
+        log(f"[run] {stage.name}: complete (key {key}), skipped")
+        return StageOutcome(stage.name, "skipped", key, out, state.get("wall_s", 0.0))
+    action = "resumed" if same and not redo and out.exists() else "ran"
+    if action == "ran":
+        why = "forced" if redo else "settings or inputs changed" if state else "first run"
+        clear_stage(plan.run_dir, stage)
+        log(f"[run] {stage.name}: starting ({why}; key {key})")
+    else:
+        log(f"[run] {stage.name}: resuming the interrupted run in {out} (key {key})")
+    return _run_stage(plan, stage, key, action, state)
+
+
+def _run_stage(plan: RunPlan, stage: Stage, key: str, action: str, old: dict | None) -> StageOutcome:
+    """Call the stage on its folder, with its state (running, then complete or failed) kept on disk."""
+    run_dir, out, settings = plan.run_dir, plan.run_dir / stage.name, plan.config.settings[stage.name]
     started = time.time()
     # Wall time accumulates over resumed attempts so estimates and status see the whole cost.
     spent = 0.0
@@ -318,7 +304,9 @@ def _run_stage(
     write_state(run_dir, stage.name, key=key, status="running", started=started, wall_s=spent)
     out.mkdir(parents=True, exist_ok=True)
     mark(out, stage.name)  # the stage's from now on: a later redo deletes what it wrote there, nothing else
-    ctx = StageContext(stage.name, settings, out, run_dir, target, inputs, prompts, names, dry_run)
+    ctx = StageContext(
+        stage.name, settings, out, run_dir, plan.target, plan.inputs, plan.prompts, tuple(plan.names), plan.dry_run
+    )
     previous_env = os.environ.get(PROGRESS_ENV)
     os.environ[PROGRESS_ENV] = str(progress_path(run_dir, stage.name))
     t0 = time.monotonic()
