@@ -70,6 +70,8 @@ def test_fast_greedy_equals_generate_on_a_tiny_model_with_refills(arch, attentio
         tiny_target(arch), RegenerateSettings(engine="hf", hf_batch_size=3, max_new_tokens=9, hf_attention=attention)
     )
     assert engine.fast and "fast decode loop" in capsys.readouterr().err
+    here = "cuda" if torch.cuda.is_available() else "cpu"  # device unset = auto: the GPU when there is one
+    assert engine.s.device == here and engine.model.device.type == here
     g = torch.Generator().manual_seed(0)
     lens, limits = [5, 40, 2, 17, 9, 1, 28, 12], [9, 3, 7, 9, 1, 5, 9, 6]  # 8 requests through 3 slots
     reqs = [Request(torch.randint(3, 40000, (n,), generator=g).tolist(), m, 0) for n, m in zip(lens, limits)]

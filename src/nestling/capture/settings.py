@@ -58,13 +58,9 @@ def resolve(settings: CaptureSettings) -> CaptureSettings:
     """Replace `auto` device and dtype by what this machine will use (recorded in the manifest)."""
     import dataclasses
 
-    import torch
+    from nestling.devices import resolve_device
 
-    device = settings.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise NestlingError(f"device {device!r} was asked for but torch sees no CUDA GPU; use --device cpu")
+    device = resolve_device(settings.device)
     dtype = settings.dtype if settings.dtype == "float8" else compute_dtype(settings, device)
     return dataclasses.replace(settings, device=device, dtype=dtype)
 

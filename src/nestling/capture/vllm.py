@@ -422,8 +422,4 @@ def _check_rows_written(path: Path, base: int, row_bytes: int, spans: list[tuple
 
 
 def _on_cpu(device: str) -> bool:
-    if device == "cpu":
-        return True
-    if device == "auto":
-        return not torch.cuda.is_available()
-    return False
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())

@@ -71,7 +71,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-turns", type=int, help="regenerate only the first N assistant turns (default 0 = all)")
     p.add_argument("--limit", type=int, help="only the first N input records (default 0 = all)")
     p.add_argument("--dtype", help="weights dtype for vllm/hf: auto, bfloat16, float16, float32 (default auto)")
-    p.add_argument("--device", help="device for --engine hf (default cpu)")
+    p.add_argument(
+        "--device",
+        help="device for --engine hf: auto (default: cuda when torch sees a GPU, else cpu), cpu, cuda, cuda:N",
+    )
     p.add_argument("--config", type=Path, help="YAML file with settings (RegenerateSettings fields)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="setting overrides, e.g. chunk_size=128")
     p.set_defaults(func=_run)

@@ -9,8 +9,10 @@ output is seeded per batch and so depends on batching.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
+from nestling.devices import resolve_device
 from nestling.progress import log
 from nestling.regenerate.decode import WINDOW_STEP, Decoder, Job, Sampling, Stats, cache_length
 from nestling.regenerate.engine import Completion, Follow, Request, waves
@@ -114,8 +116,10 @@ class HFEngine:
         from nestling.regenerate.static_model import unsupported_reason
         from nestling.targets.load import load_model
 
-        self.s = s
+        self.s = s = dataclasses.replace(s, device=resolve_device(s.device))
         dtype = "float32" if s.dtype == "auto" and s.device == "cpu" else ("bfloat16" if s.dtype == "auto" else s.dtype)
+        if s.device == "cpu" and torch.cuda.is_available():
+            log("[regenerate] hf engine: running on the CPU although torch sees a GPU (device cpu was asked for)")
         self.model = load_model(target, dtype=dtype, device=s.device)
         self.tok = AutoTokenizer.from_pretrained(target)
         eos = self.model.generation_config.eos_token_id

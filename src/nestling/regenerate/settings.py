@@ -34,7 +34,7 @@ class RegenerateSettings:
     save_token_ids: bool = False  # also write the generated token ids of every turn (for checks)
     dtype: str = "auto"  # vllm / hf weights dtype: auto, bfloat16, float16, float32
     # engine: hf
-    device: str = "cpu"
+    device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
     hf_fast: bool = True  # the static-cache decode loop (CUDA graphs on a GPU); false = transformers generate
     hf_batch_size: int = 0  # slots (fast) / requests per batch (generate); 0 = auto: 8 on CPU, 1024 on CUDA
     hf_batch_tokens: int = 0  # KV-cache tokens, slots x length (fast) / padded tokens per batch (generate); 0 = auto: 262144 on CPU, from free GPU memory on CUDA

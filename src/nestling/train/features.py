@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from nestling.devices import resolve_device
 from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, hash_json, read_manifest
 from nestling.train.ttt import PackedBatch
@@ -379,7 +380,7 @@ def choose_online(s: "TrainSettings", target: Path) -> tuple[bool, str]:
 
     if s.online is True or s.online is False:
         return s.online, f"train.online is {str(s.online).lower()}"
-    cuda = s.device == "cuda" or (s.device == "auto" and torch.cuda.is_available())
+    cuda = resolve_device(s.device) == "cuda"
     if not cuda:
         if s.steps is None and s.epochs <= 1:
             return True, (

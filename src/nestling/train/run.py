@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from nestling.config import to_dict
+from nestling.devices import resolve_device
 from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, read_manifest, write_manifest
 from nestling.progress import Progress, log
@@ -37,9 +38,7 @@ def train(
     checkpoint in `out`) or a checkpoint folder."""
     s = settings or TrainSettings()
     out = Path(out)
-    device = torch.device(
-        "cuda" if s.device == "auto" and torch.cuda.is_available() else ("cpu" if s.device == "auto" else s.device)
-    )
+    device = torch.device(resolve_device(s.device))
     d = dist.init(device.type)
     if device.type == "cuda":
         device = torch.device("cuda", d.local_rank)
