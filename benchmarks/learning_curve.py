@@ -624,7 +624,8 @@ def wait_runs(b: Bench) -> None:
         for name in pids:
             f.write(f"==== {name}\n" + (b.w / f"run-{name}.log").read_text(errors="replace")[-100_000:] + "\n")
     b.res["runs"] = runs
-    done = {n: r for n, r in runs.items() if "curve" in r and r["curve"]["points"]}
+    # a run still training has points but no export yet: only finished runs can give back a draft
+    done = {n: r for n, r in runs.items() if "curve" in r and r["curve"]["points"] and not alive(pids[n])}
     if done and a.ret == "best":
         best = max(done, key=lambda n: done[n]["curve"]["points"][-1]["sim_k3"])
         b.res["best_run"] = best
