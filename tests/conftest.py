@@ -10,6 +10,15 @@ import pytest
 os.environ.setdefault("NESTLING_CACHE", str(Path.home() / ".cache" / "nestling"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The same floats on every x86-64 machine: torch's own kernels, MKL and oneDNN pick their code path by
+# the CPU (AVX2 or AVX-512), and the paths sum in different orders (~1e-5 apart, enough to flip an
+# argmax in tests/test_golden.py). Pinned to AVX2, which every supported machine has, before torch loads.
+for _var, _isa in (
+    ("ATEN_CPU_CAPABILITY", "avx2"),
+    ("MKL_ENABLE_INSTRUCTIONS", "AVX2"),
+    ("ONEDNN_MAX_CPU_ISA", "AVX2"),
+):
+    os.environ.setdefault(_var, _isa)
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,8 @@ A deliberate change regenerates the values:
 
 The values hold for the tested versions (README, "Tested versions"): another torch or transformers
 may initialise the tiny target or round differently; regenerate them then, in a commit of their own.
+They do not depend on the CPU: tests/conftest.py pins torch, MKL and oneDNN to their AVX2 code paths
+(an AVX-512 machine otherwise sums in another order and moves them by ~1e-5).
 """
 
 from __future__ import annotations
