@@ -183,3 +183,28 @@ def test_hf_batch_limits_default_per_device():
     size, tokens = batch_limits(RegenerateSettings(), True, kv, 140 * 10**9)  # an idle H200
     assert size == 1024 and 900_000 < tokens < 1_100_000  # a third of memory, the cache counted twice
     assert batch_limits(RegenerateSettings(hf_batch_size=16, hf_batch_tokens=999), True, kv, 140 * 10**9) == (16, 999)
+
+
+def test_chunk_size_auto_is_large_on_a_gpu_and_recorded_resolved(tmp_path, tiny_target, capsys):
+    """chunk_size 0 (the default): 2,048 conversations per engine call where the engine runs on a GPU
+    (the GPU needs many requests in flight), 64 on a CPU or a remote server; the manifest and the
+    fingerprint hold the resolved number, so a rerun with an explicit 64 here is the same run."""
+    import torch
+
+    from nestling.regenerate.engine import default_chunk_size
+
+    assert RegenerateSettings().chunk_size == 0
+    assert default_chunk_size("hf", True) == default_chunk_size("vllm", True) == 2048
+    assert default_chunk_size("hf", False) == default_chunk_size("vllm", False) == 64
+    assert default_chunk_size("openai", True) == 64  # the servers batch; a chunk is only what a crash loses
+    target, data = tiny_target("llama"), _write_jsonl(tmp_path / "in.jsonl", ROWS[:1])
+    m = regenerate(data, target, tmp_path / "out", RegenerateSettings(engine="hf", max_new_tokens=3))
+    here = 2048 if torch.cuda.is_available() else 64
+    assert m["settings"]["chunk_size"] == here
+    assert f"{here} conversations per chunk (chunk_size 0 = auto" in capsys.readouterr().err
+    again = regenerate(
+        data, target, tmp_path / "out", RegenerateSettings(engine="hf", max_new_tokens=3, chunk_size=here)
+    )
+    assert again["fingerprint"] == m["fingerprint"]
+    with pytest.raises(NestlingError, match="chunk_size at least 0"):
+        regenerate(data, target, tmp_path / "out2", RegenerateSettings(engine="hf", chunk_size=-1))

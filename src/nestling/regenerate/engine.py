@@ -74,6 +74,30 @@ def resolve_engine(s: RegenerateSettings) -> str:
     return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
 
 
+CPU_CHUNK, GPU_CHUNK = 64, 2048
+
+
+def default_chunk_size(engine: str, on_gpu: bool) -> int:
+    """Conversations per engine call when `chunk_size` is 0. A GPU needs many requests in flight: on
+    an H200 the hf engine ran 8.3k output tok/s with 512 conversations per call, 10.8k with 1,425 and
+    25.4k with all 17,571 of ShareGPT, and a 64-conversation call keeps at most 64 of its 1,024 slots
+    busy. A chunk is also what a crash loses, so not all of a large set: 2,048 conversations are
+    minutes of work for a small target. CPUs and remote servers keep 64."""
+    return GPU_CHUNK if on_gpu and engine in ("vllm", "hf") else CPU_CHUNK
+
+
+def resolve_chunk_size(engine: str, s: RegenerateSettings) -> int:
+    """`chunk_size`, or where it is 0 the default for this engine on this machine."""
+    if s.chunk_size:
+        return s.chunk_size
+    import torch
+
+    from nestling.devices import resolve_device
+
+    on_gpu = torch.cuda.is_available() if engine == "vllm" else resolve_device(s.device).startswith("cuda")
+    return default_chunk_size(engine, on_gpu)
+
+
 def make_engine(name: str, target: Path, s: RegenerateSettings, max_model_len: int) -> Engine:
     if name == "vllm":
         from nestling.regenerate.vllm_engine import VLLMEngine

@@ -13,6 +13,7 @@ the data stage as is), `failed.jsonl` (every failed or skipped record with its r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -26,7 +27,15 @@ from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, atomic_write_json, hash_file, hash_json, write_manifest
 from nestling.progress import Progress, log
 from nestling.regenerate.chat import assistant_positions, plan, postprocess, render_prompts
-from nestling.regenerate.engine import Completion, Engine, Request, make_engine, resolve_engine, run_chain
+from nestling.regenerate.engine import (
+    Completion,
+    Engine,
+    Request,
+    make_engine,
+    resolve_chunk_size,
+    resolve_engine,
+    run_chain,
+)
 from nestling.regenerate.readers import Record, read_records
 from nestling.regenerate.settings import OUTPUT_FIELDS, RegenerateSettings
 
@@ -225,8 +234,8 @@ def regenerate(
     input, out = Path(input), Path(out)
     if not input.is_file():
         raise NestlingError(f"input {input} does not exist or is not a file (give a .json or .jsonl chat file)")
-    if s.max_new_tokens < 1 or s.chunk_size < 1 or s.n < 1:
-        raise NestlingError("max_new_tokens, chunk_size and n must be at least 1")
+    if s.max_new_tokens < 1 or s.chunk_size < 0 or s.n < 1:
+        raise NestlingError("max_new_tokens and n must be at least 1, chunk_size at least 0 (0 = auto)")
     if s.n > 1 and s.temperature <= 0:
         raise NestlingError(
             f"n={s.n} samples per conversation need sampling: set temperature > 0 "
@@ -244,6 +253,11 @@ def _regenerate(input: Path, target_dir: Path, out: Path, s: RegenerateSettings)
     if not getattr(tokenizer, "chat_template", None):
         raise NestlingError(f"target {target_dir} has no chat template; regeneration renders prompts with it")
     engine_name = resolve_engine(s)
+    if not s.chunk_size:  # recorded resolved: the fingerprint and the manifest name the chunks used
+        s = dataclasses.replace(s, chunk_size=resolve_chunk_size(engine_name, s))
+        log(
+            f"[regenerate] {s.chunk_size} conversations per chunk (chunk_size 0 = auto, for the {engine_name} engine here)"
+        )
     cfg_len = getattr(load_config(target_dir), "max_position_embeddings", None) or 4096
     max_len = s.max_model_len or cfg_len
     inputs = {
