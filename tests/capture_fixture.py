@@ -17,6 +17,18 @@ import pytest
 import torch
 
 
+# Training settings for a tiny draft on a tiny capture: a few fast steps that still log every one.
+TINY_TRAIN = [
+    "batch_tokens=64",
+    "draft_vocab_size=100",
+    "ttt_steps=2",
+    "lr=3e-3",
+    "progress_interval=100",
+    "eval_every=0",
+    "log_every=1",
+]
+
+
 @contextlib.contextmanager
 def threads(n: int = 1):
     """Tiny shapes on a shared 2-core machine: one thread is ~10-40x faster than two contended ones."""

@@ -31,6 +31,15 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = "0,2,5,6"  # the tiny llama has 6 layers: embeddings, two aux, and the final state
 
 
+def _hf_capture(data: Path, target: Path, out: Path, **kw) -> dict:
+    """The hf backend's fp32 store of the same layers and budget: what the vllm backend is held to."""
+    layers = [int(x) for x in LAYERS.split(",")]
+    settings = CaptureSettings(
+        backend="hf", device="cpu", dtype="float32", layers=layers, token_budget=256, progress_interval=60, **kw
+    )
+    return capture(data, target, out, settings)
+
+
 def _env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
@@ -83,20 +92,7 @@ def test_vllm_shards_equal_hf_shards(tiny_target, tmp_path):
         _cli(data, target, tmp_path / "vllm", *opts), env=_env(), capture_output=True, text=True, timeout=900
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    hf = capture(
-        data,
-        target,
-        tmp_path / "hf",
-        CaptureSettings(
-            backend="hf",
-            device="cpu",
-            dtype="float32",
-            layers=[int(x) for x in LAYERS.split(",")],
-            token_budget=256,
-            shard_size="200KB",
-            progress_interval=60,
-        ),
-    )
+    hf = _hf_capture(data, target, tmp_path / "hf", shard_size="200KB")
     vm = json.loads((tmp_path / "vllm" / "manifest.json").read_text())
     assert vm["final_state"] == "post_norm" and "final norm" in vm["final_state_source"]
     assert vm["layer_ids"] == hf["layer_ids"] == [0, 2, 5, 6]
@@ -132,19 +128,7 @@ def test_vllm_float8_store_reads_back_within_fp8_of_hf(tiny_target, tmp_path):
         timeout=900,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    capture(
-        data,
-        target,
-        tmp_path / "hf",
-        CaptureSettings(
-            backend="hf",
-            device="cpu",
-            dtype="float32",
-            layers=[int(x) for x in LAYERS.split(",")],
-            token_budget=256,
-            progress_interval=60,
-        ),
-    )
+    _hf_capture(data, target, tmp_path / "hf")
     m = json.loads((tmp_path / "vllm" / "manifest.json").read_text())
     assert m["dtype"] == "float8" and m["compute_dtype"] == "float32"
     assert verify(tmp_path / "vllm") == []

@@ -12,19 +12,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from capture_fixture import RunsAShellCommand, one_thread, tiny_llama, tiny_llama_capture  # noqa: F401 (fixtures)
+from capture_fixture import RunsAShellCommand, one_thread, tiny_llama, tiny_llama_capture, TINY_TRAIN  # noqa: F401 (fixtures)
 
 from nestling.cli import main
-
-TRAIN = [
-    "batch_tokens=64",
-    "draft_vocab_size=100",
-    "ttt_steps=2",
-    "lr=3e-3",
-    "progress_interval=100",
-    "eval_every=0",
-    "log_every=1",
-]
 
 
 def cli(capsys, *args) -> tuple[int, str]:
@@ -160,7 +150,7 @@ def test_train_on_a_truncated_shard(capture, tmp_path, capsys):
     shutil.copytree(capture, cap)
     shard = cap / "train" / "shard-00001.safetensors"
     os.truncate(shard, shard.stat().st_size // 2)
-    msg = fails_cleanly(capsys, "train", cap, "--out", tmp_path / "t", "--steps", 2, *TRAIN)
+    msg = fails_cleanly(capsys, "train", cap, "--out", tmp_path / "t", "--steps", 2, *TINY_TRAIN)
     assert str(shard) in msg and "cut off or damaged" in msg and "nestling capture" in msg
     assert not (tmp_path / "t").exists()
 
@@ -180,12 +170,12 @@ def test_disk_full_at_a_checkpoint_keeps_the_previous_one(capture, tmp_path, cap
 
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
     out = tmp_path / "t"
-    msg = fails_cleanly(capsys, "train", capture, "--out", out, "--steps", 4, "checkpoint_every=1", *TRAIN)
+    msg = fails_cleanly(capsys, "train", capture, "--out", out, "--steps", 4, "checkpoint_every=1", *TINY_TRAIN)
     assert "No space left on device" in msg and "step-00000002" in msg and "step-00000001 is kept" in msg
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000001"]
     assert not (out / "manifest.json").exists()
     monkeypatch.setattr(safetensors.torch, "save_file", real)
-    rc, err = cli(capsys, "train", capture, "--out", out, "--steps", 4, "checkpoint_every=1", *TRAIN, "--resume")
+    rc, err = cli(capsys, "train", capture, "--out", out, "--steps", 4, "checkpoint_every=1", *TINY_TRAIN, "--resume")
     assert rc == 0 and "resumed from" in err and (out / "manifest.json").exists(), err[-2000:]
 
 

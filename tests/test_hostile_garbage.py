@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from capture_fixture import one_thread, tiny_llama, tiny_llama_capture  # noqa: F401 (fixtures)
+from capture_fixture import one_thread, tiny_llama, tiny_llama_capture, TINY_TRAIN  # noqa: F401 (fixtures)
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -20,16 +20,6 @@ from nestling.cli import main
 from nestling.errors import NestlingError
 from nestling.export.run import export
 from nestling.export.settings import ExportSettings
-
-TRAIN = [
-    "batch_tokens=64",
-    "draft_vocab_size=100",
-    "ttt_steps=2",
-    "lr=3e-3",
-    "progress_interval=100",
-    "eval_every=0",
-    "log_every=1",
-]
 
 
 def cli(capsys, *args) -> tuple[int, str]:
@@ -67,7 +57,7 @@ def test_nan_states_stop_training_at_the_first_bad_step(capture, tmp_path, capsy
     assert all(bad not in stream[m] for m in (0, 1))
     sid = _poison(capture, tmp_path / "cap", bad)
     out = tmp_path / "train"
-    rc, err = cli(capsys, "train", tmp_path / "cap", "--out", out, "--steps", 6, "checkpoint_every=1", *TRAIN)
+    rc, err = cli(capsys, "train", tmp_path / "cap", "--out", out, "--steps", 6, "checkpoint_every=1", *TINY_TRAIN)
     assert rc == 1
     assert "loss is not finite" in err and "step 3" in err and sid in err and "capture --verify" in err
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
