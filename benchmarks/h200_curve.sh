@@ -20,10 +20,10 @@ set -euo pipefail
 R=/root/repo W=/root/lc RET=/root/ret
 export PYTHONUNBUFFERED=1
 send() {  # move what fits into $OUT (8 files, 64 MiB), the rest waits for the next call
-  local n=0 bytes=0
+  local n=$(ls $OUT | wc -l) bytes=$(cat $OUT/* 2>/dev/null | wc -c)  # what is already there counts
   for f in $(ls $RET | sort); do
     s=$(stat -c %s $RET/$f)
-    if [ $n -lt 7 ] && [ $((bytes + s)) -lt 62000000 ]; then mv $RET/$f $OUT/; n=$((n + 1)); bytes=$((bytes + s)); fi
+    if [ $n -lt 8 ] && [ $((bytes + s)) -lt 66000000 ]; then mv $RET/$f $OUT/; n=$((n + 1)); bytes=$((bytes + s)); fi
   done
   echo "[h200] sent $n files ($bytes bytes); left: $(ls $RET | tr '\n' ' ')"
 }
@@ -41,10 +41,37 @@ report() {  # where `regenall` stands: the engine's lines, the last progress lin
   tr '\r' '\n' < $W/prep.log | grep -a "tok/s" | tail -1
   cp $W/prep/learning_curve.json $OUT/regenall.json 2>/dev/null || echo "[h200] still regenerating"
   cp $W/prep.log $OUT/regenall.log 2>/dev/null || true
+  [ -f $W/data-human/manifest.json ] && pack_regen || true
+}
+xzpipe() {  # xz -z / -d on a pipe, with Python's lzma where the xz tool is missing
+  if command -v xz >/dev/null; then xz -T16 -6 "$1"; else python3 -c "import lzma, shutil, sys
+if sys.argv[1] == '-z':
+    with lzma.open(sys.stdout.buffer, 'wb', preset=6) as f: shutil.copyfileobj(sys.stdin.buffer, f)
+else:
+    with lzma.open(sys.stdin.buffer) as f: shutil.copyfileobj(f, sys.stdout.buffer)" "$1"; fi
+}
+pack_regen() {  # the target-written conversations, xz-compressed in 15 MiB parts, so that later sessions
+  # carry them (.dev/c) instead of regenerating for 12 minutes: `stagedata`, then `reuse`
+  [ -n "$(ls $RET/regen.tar.xz.* 2>/dev/null)" ] && return
+  tar -C $W -cf - regen-rest/manifest.json regen-rest/messages.jsonl | xzpipe -z | split -b 15M -d - $RET/regen.tar.xz.
+  ls -la $RET/regen.tar.xz.*; send
 }
 case "$1" in
 stage)
   mkdir -p /root/stage && cp .dev/a/* /root/stage/ && ls -la /root/stage ;;
+stagedata)  # after `stage` (carry .dev/c: the regen.tar.xz.* parts `regenall` returned)
+  mkdir -p /root/stage/regen && cp .dev/c/regen.tar.xz.* /root/stage/regen/ && ls -la /root/stage/regen ;;
+reuse)  # after `stage` and `stagedata`: the carried target-written conversations instead of `regenall`,
+  # then RECIPE for TOKENS training tokens in the background (tokenizing and training outlast one call);
+  # `finish` (warm, as often as needed) returns the draft
+  T0=$(date +%s)
+  setup
+  mkdir -p $W && cat /root/stage/regen/regen.tar.xz.* | xzpipe -d | tar -C $W -xf -
+  echo $((T0 + 3000)) > /root/deadline  # `finish` waits by the runs, 560 s per call
+  lc --out $RET --batch-tokens 32768 --max-length 2048 --phase prepare --regen-pilot 0 --regen-conversations 1000000 \
+    --regen-chunk 1000000 --regen-max-turns 16 --regen-max-new-tokens 384 \
+    --phase parallel --curve-tokens "$3" --reserve 0 --curve-points 8 --ref-points 0 --run "reuse=curve:$2"
+  lc --out $RET --phase wait --wait-until $((T0 + 570)) 2>&1 | tail -5 ;;
 start)
   T0=$(date +%s)
   setup

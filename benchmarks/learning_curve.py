@@ -567,6 +567,8 @@ def parallel(b: Bench) -> None:
             str(a.max_length),
             "--deadline",
             str(a.deadline),
+            "--curve-tokens",
+            str(a.curve_tokens),
             "--reserve",
             str(a.reserve),
             "--probe-steps",
