@@ -12,7 +12,10 @@
 #   or, after `stage`: bash benchmarks/h200_curve.sh equals "A=RECIPE B=RECIPE"  (equal-data recipes side by side)
 #   or, after `stage`: [REGEN_SECONDS=240] bash benchmarks/h200_curve.sh regen RECIPE  (target-written data, one call)
 #   then, warm:        bash benchmarks/h200_curve.sh same data=human,RECIPE TOKENS  (the same conversations' human answers)
-#   or, after `stage`: bash benchmarks/h200_curve.sh regenall  (every training conversation, in the background)
+#   or, after `stage`: bash benchmarks/h200_curve.sh regenall  (every training conversation, in the background;
+#                      it returns them as regen.tar.xz.*: keep them in .dev/c for `reuse`)
+#   or, after `stage`: bash benchmarks/h200_curve.sh stagedata (carry .dev/c), then
+#                      bash benchmarks/h200_curve.sh reuse "[A=]RECIPE [B=RECIPE]" TOKENS, then `finish` until done
 #   then, warm:        [WAIT_SECONDS=560] bash benchmarks/h200_curve.sh waitdata  (if it is not done yet)
 #   then, warm:        [WAIT_SECONDS=300] bash benchmarks/h200_curve.sh same data=regen,RECIPE TOKENS
 # Locally: cat the draft-*.tar.* parts, untar, and measure in vLLM with benchmarks/quality.py --draft.
@@ -63,14 +66,18 @@ stagedata)  # after `stage` (carry .dev/c: the regen.tar.xz.* parts `regenall` r
   mkdir -p /root/stage/regen && cp .dev/c/regen.tar.xz.* /root/stage/regen/ && ls -la /root/stage/regen ;;
 reuse)  # after `stage` and `stagedata`: the carried target-written conversations instead of `regenall`,
   # then RECIPE for TOKENS training tokens in the background (tokenizing and training outlast one call);
-  # `finish` (warm, as often as needed) returns the draft
+  # `finish` (warm, as often as needed) returns the draft. RECIPE may be "A=RECIPE B=RECIPE": runs
+  # side by side on the GPU (each at about half the rate), the best one's draft back
   T0=$(date +%s)
+  RUNS=(); for r in $2; do  # NAME=key=value,... or key=value,... (named reuse)
+    f=${r%%,*}; if [[ $f == *=*=* ]]; then RUNS+=(--run "${r%%=*}=curve:${r#*=}"); else RUNS+=(--run "reuse=curve:$r"); fi
+  done
   setup
   mkdir -p $W && cat /root/stage/regen/regen.tar.xz.* | xzpipe -d | tar -C $W -xf -
   echo $((T0 + 3000)) > /root/deadline  # `finish` waits by the runs, 560 s per call
   lc --out $RET --batch-tokens 32768 --max-length 2048 --phase prepare --regen-pilot 0 --regen-conversations 1000000 \
     --regen-chunk 1000000 --regen-max-turns 16 --regen-max-new-tokens 384 \
-    --phase parallel --curve-tokens "$3" --reserve 0 --curve-points 8 --ref-points 0 --run "reuse=curve:$2"
+    --phase parallel --curve-tokens "$3" --reserve 0 --curve-points 8 --ref-points 0 "${RUNS[@]}"
   lc --out $RET --phase wait --wait-until $((T0 + 570)) 2>&1 | tail -5 ;;
 start)
   T0=$(date +%s)

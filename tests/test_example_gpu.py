@@ -11,6 +11,7 @@ import pytest
 from nestling.pipeline.run import enabled_stages, run
 from nestling.pipeline.settings import load_run_config
 from nestling.pipeline.stages import STAGES, train_mode
+from nestling.train.settings import default_lr
 
 GPU_YAML = Path(__file__).resolve().parents[1] / "examples" / "gpu.yaml"
 
@@ -18,8 +19,9 @@ GPU_YAML = Path(__file__).resolve().parents[1] / "examples" / "gpu.yaml"
 def test_gpu_example_is_the_measured_recipe():
     cfg = load_run_config(GPU_YAML, STAGES, [])
     t, r = cfg.settings["train"], cfg.settings["regenerate"]
-    assert (t.online, t.draft_layers, t.optimizer, t.ttt_steps) == (True, 2, "adamw", 3)
+    assert (t.online, t.draft_layers, t.optimizer, t.ttt_steps) == (True, 2, "muon", 3)
     assert t.steps * t.batch_tokens == 1374 * 32768  # the 45M training tokens the docs report
+    assert t.lr is None and default_lr(576, t.steps) == pytest.approx(2e-3)  # derived: the measured run's lr
     assert (r.max_turns, r.max_new_tokens, r.temperature) == (16, 384, 0.0)
     assert cfg.settings["data"].max_length == 2048 and cfg.settings["eval"].engine == "vllm"
     online, _ = train_mode(cfg, "unused")
