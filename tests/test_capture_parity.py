@@ -128,3 +128,93 @@ def test_early_stop_and_layer_subset(tiny_target):
     assert not calls  # layers 4..5 never ran
     ref = torch.cat([reference(model, torch.tensor(s), [0, 1, 4])[0] for s in seqs])
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+# ---- packed forwards (no padding; capture/packed.py) ------------------------------------------------
+
+PACKABLE_ARCHS = ["llama", "qwen3", "qwen3_moe"]
+
+
+def _samples(data_dir):
+    from nestling.data.dataset import load_samples
+
+    return load_samples(data_dir, "train") + load_samples(data_dir, "heldout")
+
+
+@pytest.mark.parametrize("arch", PACKABLE_ARCHS)
+def test_packed_forward_matches_hidden_states(arch, tiny_target, data_dir):
+    """All samples end to end in one row, positions restarting per sample, attention per sample: each
+    sample's states equal its batch-of-one forward (the CPU runs the per-sample SDPA reference of the
+    CUDA flash kernel's contract, so this pins the packing itself: positions, boundaries, order)."""
+    target = tiny_target(arch)
+    model = load_model(target, dtype="float32")
+    samples = _samples(data_dir)
+    assert len({len(s.input_ids) for s in samples}) > 1  # ragged: padding would have been needed
+    ids_ = [0, 1, 3, model.config.num_hidden_layers]
+    backend = HFBackend(target, ids_, CaptureSettings(dtype="float32", device="cpu"), model=model, packed=True)
+    assert backend.packed, backend.packed_why
+    got = backend.capture([s.input_ids for s in samples])
+    backend.close()  # its hooks off before the reference forwards
+    at = 0
+    for s in samples:
+        T = len(s.input_ids)
+        close(got[at : at + T], reference(model, torch.tensor(s.input_ids), ids_)[0], "float32")
+        at += T
+    assert at == got.shape[0]
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "gemma3"])
+def test_packing_declined_where_attention_is_not_plain(arch, tiny_target):
+    """MLA and sliding-window families are not packed, even when asked: padded batches, the reason kept."""
+    target = tiny_target(arch)
+    backend = HFBackend(target, [0, 1], CaptureSettings(dtype="float32", device="cpu"), packed=True)
+    assert not backend.packed and arch in backend.packed_why
+    got = backend.capture([[1, 5, 9], [3, 4]])
+    assert got.shape[0] == 5
+    backend.close()
+
+
+def test_packing_is_off_on_a_cpu_by_default(tiny_target):
+    backend = HFBackend(tiny_target("llama"), [0, 1], CaptureSettings(dtype="float32", device="cpu"))
+    assert not backend.packed and "CUDA" in backend.packed_why
+    backend.close()
+
+
+def test_auto_packing_falls_back_when_its_check_fails(tiny_target, monkeypatch):
+    """Auto mode compares its first packed batch with the padded path; a mismatch (here: packed states
+    made wrong on purpose) turns packing off for good and returns the padded states."""
+    target = tiny_target("llama")
+    model = load_model(target, dtype="float32")
+    backend = HFBackend(target, [0, 1, 4], CaptureSettings(dtype="float32", device="cpu"), model=model, packed=True)
+    backend._check_packed = True  # as auto mode on a GPU starts
+    right = backend._packed
+    monkeypatch.setattr(backend, "_packed", lambda seqs: right(seqs) * 1.5)
+    seqs = [[1, 5, 9, 200, 7], [3, 4, 1000]]
+    got = backend.capture(seqs)
+    assert not backend.packed and "differ" in backend.packed_why
+    torch.testing.assert_close(got, backend._padded(seqs))
+    torch.testing.assert_close(backend.capture(seqs), got)  # later batches: padded, no new check
+    backend.close()
+
+
+def test_online_states_packed_equal_padded(tiny_target, data_dir):
+    """Online training's TargetStates: one packed forward per microbatch gives the states that the
+    padded groups give (the draft sees the same features either way)."""
+    from nestling.train.data import collate
+    from nestling.train.features import TargetStates
+
+    target = tiny_target("llama")
+    model = load_model(target, dtype="float32")
+    samples = _samples(data_dir)
+    items = [{"input_ids": torch.tensor(s.input_ids), "loss_mask": torch.tensor(s.loss_mask)} for s in samples]
+    budget = sum(len(s.input_ids) for s in samples) + 7  # padding at the end of the row too
+    batch = collate(items, budget, pad_to=budget)
+    ids_ = [0, 1, 3, model.config.num_hidden_layers]
+    out = {}
+    for packed in (True, False):
+        backend = HFBackend(target, ids_, CaptureSettings(dtype="float32", device="cpu"), model=model, packed=packed)
+        out[packed] = TargetStates(backend, 2 * max(len(s.input_ids) for s in samples)).fill(batch)
+        backend.close()
+    for a, b in ((out[True].aux, out[False].aux), (out[True].final, out[False].final)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert out[True].final[0, -7:].abs().sum() == 0  # the pad tokens get zero states

@@ -4,6 +4,7 @@ Why hooks rather than `output_hidden_states`: we keep only the requested ids (no
 per batch), gather the real (unpadded) tokens straight into one packed buffer, and can stop the
 forward after the last needed layer. Right padding with an attention mask keeps every sample's
 states equal to a batch-of-one forward: causal attention never looks right, so padding is invisible.
+On a GPU, targets whose attention allows it run packed instead (no padding at all: packed.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from nestling.capture.backend import Backend
 from nestling.capture.settings import CaptureSettings
 from nestling.errors import NestlingError
+from nestling.progress import log
 
 
 class _Stop(Exception):
@@ -32,7 +34,13 @@ def base_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class HFBackend(Backend):
-    def __init__(self, target: Path, layer_ids: list[int], settings: CaptureSettings, model=None):
+    """`packed`: None = where packable (CUDA, bf16/fp16, a plain-attention family: packed.py), checked
+    once against the padded forward; True = packed wherever the architecture allows (CPU tests);
+    False = padded batches always."""
+
+    def __init__(
+        self, target: Path, layer_ids: list[int], settings: CaptureSettings, model=None, packed: bool | None = None
+    ):
         from nestling.capture.settings import compute_dtype, resolve
         from nestling.targets.load import load_model
 
@@ -57,6 +65,7 @@ class HFBackend(Backend):
         self._out: torch.Tensor | None = None
         self._idx: torch.Tensor | None = None
         self._handles = []
+        self._init_packing(packed)
         for j, lid in enumerate(self.layer_ids):
             stop = lid == self.layer_ids[-1] and lid < self.n_layers
             if lid < self.n_layers:  # id k = input of decoder layer k
@@ -65,9 +74,22 @@ class HFBackend(Backend):
                 h = self.base.norm.register_forward_hook(self._post_hook(j))
             self._handles.append(h)
 
+    def _init_packing(self, packed: bool | None) -> None:
+        from nestling.capture import packed as pk
+
+        why = "turned off" if packed is False else pk.packable(self.base.config, self.dtype, self.device, bool(packed))
+        self.packed, self.packed_why = why is None, why
+        self._check_packed = packed is None  # auto: the first packed batch is compared with a padded one
+        if self.packed:
+            pk.register()
+        elif packed is None and self.device.type == "cuda":
+            log(f"[capture] hf backend: padded batches, not packed ({why})")
+
     def _store(self, j: int, hidden: torch.Tensor) -> None:
         flat = hidden.reshape(-1, hidden.shape[-1])
-        self._out[:, j] = flat.index_select(0, self._idx.to(flat.device)).to(self._out.device)
+        if self._idx is not None:  # padded: keep the real tokens; packed: every token is real
+            flat = flat.index_select(0, self._idx.to(flat.device))
+        self._out[:, j] = flat.to(self._out.device)
 
     def _pre_hook(self, j: int, stop: bool):
         def hook(module, args, kwargs):
@@ -92,9 +114,51 @@ class HFBackend(Backend):
 
     @torch.inference_mode()
     def capture(self, seqs: list[list[int]]) -> torch.Tensor:
-        lengths = [len(s) for s in seqs]
-        if min(lengths) < 1:
+        if min(len(s) for s in seqs) < 1:
             raise NestlingError("cannot capture an empty sample")
+        if not self.packed:
+            return self._padded(seqs)
+        if not self._check_packed:
+            return self._packed(seqs)
+        # auto mode, first batch: the packed states must agree with the padded path's (as bf16 can:
+        # within 2% of each state's norm), or this target stays padded, with the reason logged
+        self._check_packed = False
+        try:
+            got = self._packed(seqs)
+            ref = self._padded(seqs)
+            err = ((got.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1).clamp_min(1e-6)).max().item()
+        except Exception as e:  # e.g. a transformers version that does not pass the kwargs through
+            err, ref = float("inf"), self._padded(seqs)
+            self.packed_why = f"{type(e).__name__}: {str(e)[:200]}"
+        if err < 2e-2:
+            log(f"[capture] hf backend: packed batches (no padding; varlen flash attention), checked: {err:.1e}")
+            return got
+        self.packed, self.packed_why = False, self.packed_why or f"packed states differ from padded ones by {err:.3g}"
+        log(f"[capture] hf backend: packed batches failed their check ({self.packed_why}); padded batches")
+        return ref
+
+    def _packed(self, seqs: list[list[int]]) -> torch.Tensor:
+        """One row of all samples end to end, positions restarting per sample, attention per sample."""
+        from nestling.capture.packed import NAME, packed_inputs
+
+        ids, pos, kw = packed_inputs(seqs, self.device)
+        self._idx = None
+        self._out = torch.empty(
+            ids.shape[1], len(self.layer_ids), self.hidden_size, dtype=self.dtype, device=self.device
+        )
+        cfg = self.base.config
+        before, cfg._attn_implementation = cfg._attn_implementation, NAME
+        try:
+            self.base(input_ids=self.to_device(ids), position_ids=self.to_device(pos), use_cache=False, **kw)
+        except _Stop:
+            pass
+        finally:
+            cfg._attn_implementation = before
+        out, self._out = self._out, None
+        return out
+
+    def _padded(self, seqs: list[list[int]]) -> torch.Tensor:
+        lengths = [len(s) for s in seqs]
         B, T = len(seqs), max(lengths)
         ids = torch.zeros(B, T, dtype=torch.long)
         mask = torch.zeros(B, T, dtype=torch.long)

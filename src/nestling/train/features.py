@@ -276,9 +276,11 @@ class TargetStates:
         counts = torch.unique_consecutive(b.doc[0, :n], return_counts=True)[1].tolist()
         seqs = [x.tolist() for x in torch.split(b.input_ids[0, :n], counts)]
         # longest first in groups whose padded size fits the budget, as capture batches them: a
-        # microbatch of one long and many short samples must not pad every short one to the long one
+        # microbatch of one long and many short samples must not pad every short one to the long one;
+        # a packed backend has no padding, so the whole microbatch (at most the budget) is one forward
         order = sorted(range(len(seqs)), key=lambda i: (-len(seqs[i]), i))
-        groups = batches([Sample("", i, seqs[i], []) for i in order], self.budget)
+        ordered = [Sample("", i, seqs[i], []) for i in order]
+        groups = [ordered] if self.backend.packed else batches(ordered, self.budget)
         parts = [self.backend.capture([x.input_ids for x in g]) for g in groups]
         sorted_start, at = [0] * len(seqs), 0
         for i in order:
