@@ -180,18 +180,27 @@ def test_packing_is_off_on_a_cpu_by_default(tiny_target):
     backend.close()
 
 
-def test_auto_packing_falls_back_when_its_check_fails(tiny_target, monkeypatch):
-    """Auto mode compares its first packed batch with the padded path; a mismatch (here: packed states
-    made wrong on purpose) turns packing off for good and returns the padded states."""
+def _broken(kind: str, right):
+    def wrong(seqs):
+        if kind == "raises":
+            raise KeyError("nestling_cu")
+        return right(seqs) * 1.5
+
+    return wrong
+
+
+@pytest.mark.parametrize("kind,why", [("wrong", "differ"), ("raises", "KeyError")])
+def test_auto_packing_falls_back_when_its_check_fails(kind, why, tiny_target, monkeypatch):
+    """Auto mode compares its first packed batch with the padded path; a mismatch or an error (here made
+    on purpose) turns packing off for good, with the reason, and returns the padded states."""
     target = tiny_target("llama")
     model = load_model(target, dtype="float32")
     backend = HFBackend(target, [0, 1, 4], CaptureSettings(dtype="float32", device="cpu"), model=model, packed=True)
-    backend._check_packed = True  # as auto mode on a GPU starts
-    right = backend._packed
-    monkeypatch.setattr(backend, "_packed", lambda seqs: right(seqs) * 1.5)
+    backend.packed_check_pending = True  # as auto mode on a GPU starts
+    monkeypatch.setattr(backend, "_packed", _broken(kind, backend._packed))
     seqs = [[1, 5, 9, 200, 7], [3, 4, 1000]]
     got = backend.capture(seqs)
-    assert not backend.packed and "differ" in backend.packed_why
+    assert not backend.packed and why in backend.packed_why
     torch.testing.assert_close(got, backend._padded(seqs))
     torch.testing.assert_close(backend.capture(seqs), got)  # later batches: padded, no new check
     backend.close()
@@ -218,3 +227,41 @@ def test_online_states_packed_equal_padded(tiny_target, data_dir):
     for a, b in ((out[True].aux, out[False].aux), (out[True].final, out[False].final)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert out[True].final[0, -7:].abs().sum() == 0  # the pad tokens get zero states
+
+
+def test_auto_packing_keeps_packing_when_its_check_passes(tiny_target):
+    target = tiny_target("llama")
+    model = load_model(target, dtype="float32")
+    backend = HFBackend(target, [0, 1, 4], CaptureSettings(dtype="float32", device="cpu"), model=model, packed=True)
+    backend.packed_check_pending = True
+    seqs = [[1, 5, 9, 200, 7], [3, 4, 1000]]
+    got = backend.capture(seqs)
+    assert backend.packed and not backend.packed_check_pending
+    torch.testing.assert_close(got, backend._padded(seqs), atol=1e-5, rtol=1e-5)
+    backend.close()
+
+
+def test_online_batch_is_one_packed_forward_after_the_check(tiny_target, data_dir):
+    """While auto mode checks its first batch (which it also runs padded), a microbatch goes in
+    padded-size groups that fit the budget; once packing is confirmed, in one forward."""
+    from nestling.train.data import collate
+    from nestling.train.features import TargetStates
+
+    target = tiny_target("llama")
+    samples = _samples(data_dir)
+    items = [{"input_ids": torch.tensor(s.input_ids), "loss_mask": torch.tensor(s.loss_mask)} for s in samples]
+    batch = collate(items, sum(len(s.input_ids) for s in samples))
+    backend = HFBackend(target, [0, 1, 4], CaptureSettings(dtype="float32", device="cpu"), packed=True)
+    backend.packed_check_pending = True
+    calls: list[int] = []
+    real = backend.capture
+    backend.capture = lambda seqs: (calls.append(len(seqs)), real(seqs))[1]  # type: ignore[method-assign]
+    budget = 2 * max(len(s.input_ids) for s in samples)
+    states = TargetStates(backend, budget)
+    first = states.fill(batch)
+    assert len(calls) > 1 and backend.packed  # checked in groups, and the check passed
+    calls.clear()
+    second = states.fill(batch)
+    assert calls == [len(samples)]
+    torch.testing.assert_close(first.final, second.final, atol=1e-5, rtol=1e-5)
+    backend.close()

@@ -79,7 +79,7 @@ class HFBackend(Backend):
 
         why = "turned off" if packed is False else pk.packable(self.base.config, self.dtype, self.device, bool(packed))
         self.packed, self.packed_why = why is None, why
-        self._check_packed = packed is None  # auto: the first packed batch is compared with a padded one
+        self.packed_check_pending = packed is None  # auto: the first packed batch is compared with a padded one
         if self.packed:
             pk.register()
         elif packed is None and self.device.type == "cuda":
@@ -118,19 +118,23 @@ class HFBackend(Backend):
             raise NestlingError("cannot capture an empty sample")
         if not self.packed:
             return self._padded(seqs)
-        if not self._check_packed:
+        if not self.packed_check_pending:
             return self._packed(seqs)
-        # auto mode, first batch: the packed states must agree with the padded path's (as bf16 can:
-        # within 2% of each state's norm), or this target stays padded, with the reason logged
-        self._check_packed = False
+        # auto mode, first batch: the packed states must agree with the padded path's, or this target
+        # stays padded, with the reason logged. bf16 in another GEMM shape moves a state by ~1% of its
+        # norm on deep models; a packing bug (a sample seeing another, lost causality) moves most states
+        # by ~100%: so the 99th percentile of the per-state relative error, against 2%
+        self.packed_check_pending = False
         try:
             got = self._packed(seqs)
-            ref = self._padded(seqs)
-            err = ((got.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1).clamp_min(1e-6)).max().item()
         except Exception as e:  # e.g. a transformers version that does not pass the kwargs through
-            err, ref = float("inf"), self._padded(seqs)
-            self.packed_why = f"{type(e).__name__}: {str(e)[:200]}"
-        if err < 2e-2:
+            got, self.packed_why = None, f"{type(e).__name__}: {str(e)[:200]}"
+        ref = self._padded(seqs)
+        err = float("inf")
+        if got is not None:
+            rel = (got.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1).clamp_min(1e-6)
+            err = torch.quantile(rel.flatten()[:1_000_000], 0.99).item()
+        if got is not None and err < 2e-2:
             log(f"[capture] hf backend: packed batches (no padding; varlen flash attention), checked: {err:.1e}")
             return got
         self.packed, self.packed_why = False, self.packed_why or f"packed states differ from padded ones by {err:.3g}"
@@ -141,7 +145,8 @@ class HFBackend(Backend):
         """One row of all samples end to end, positions restarting per sample, attention per sample."""
         from nestling.capture.packed import NAME, packed_inputs
 
-        ids, pos, kw = packed_inputs(seqs, self.device)
+        ids, pos, kw = packed_inputs(seqs)
+        kw["nestling_cu"] = self.to_device(kw["nestling_cu"])
         self._idx = None
         self._out = torch.empty(
             ids.shape[1], len(self.layer_ids), self.hidden_size, dtype=self.dtype, device=self.device

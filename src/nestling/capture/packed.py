@@ -39,6 +39,8 @@ def packable(config, dtype: torch.dtype, device: torch.device, force: bool = Fal
         return None
     if device.type != "cuda":
         return "packing needs CUDA's flash attention (this target runs on the CPU)"
+    if torch.version.hip is not None or torch.cuda.get_device_capability(device) < (8, 0):
+        return "PyTorch's varlen flash attention needs an NVIDIA GPU of compute capability 8.0 or newer"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"flash attention needs bf16 or fp16 (the target runs in {str(dtype).replace('torch.', '')})"
     return None
@@ -57,9 +59,13 @@ def _per_sample(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int]
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention-function contract: q/k/v [1, heads, N, D] in, ([1, N, heads, D], None) out."""
+    # nothing here reads a mask or a window: transformers builds none for this name (packable keeps
+    # sliding windows out); should that change, fail loudly (auto mode then falls back to padding)
+    assert attention_mask is None and kwargs.get("sliding_window") is None and query.shape[0] == 1
     cu, cu_list, longest = kwargs["nestling_cu"], kwargs["nestling_cu_list"], kwargs["nestling_max"]
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
     if q.is_cuda:
+        cu = cu.to(q.device)  # a no-op, unless a device map left it on another GPU
         out = torch.ops.aten._flash_attention_forward(
             q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scaling
         )[0]
@@ -75,12 +81,13 @@ def register() -> None:
     AttentionInterface.register(NAME, attention)
 
 
-def packed_inputs(seqs: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(input_ids [1, N], position_ids [1, N], the attention kwargs) for samples laid end to end."""
+def packed_inputs(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(input_ids [1, N], position_ids [1, N], the attention kwargs) for samples laid end to end, all
+    on the CPU (the caller moves the tensors without a blocking copy)."""
     lengths = [len(s) for s in seqs]
     ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)[None]
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     cu_list = [0] + torch.tensor(lengths).cumsum(0).tolist()
     cu = torch.tensor(cu_list, dtype=torch.int32)
-    kw = {"nestling_cu": cu.to(device), "nestling_cu_list": cu_list, "nestling_max": max(lengths)}
+    kw = {"nestling_cu": cu, "nestling_cu_list": cu_list, "nestling_max": max(lengths)}
     return ids, pos, kw

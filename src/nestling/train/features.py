@@ -280,7 +280,9 @@ class TargetStates:
         # a packed backend has no padding, so the whole microbatch (at most the budget) is one forward
         order = sorted(range(len(seqs)), key=lambda i: (-len(seqs[i]), i))
         ordered = [Sample("", i, seqs[i], []) for i in order]
-        groups = [ordered] if self.backend.packed else batches(ordered, self.budget)
+        # (not while the first packed batch is being checked: the check runs it padded too)
+        whole = self.backend.packed and not self.backend.packed_check_pending
+        groups = [ordered] if whole else batches(ordered, self.budget)
         parts = [self.backend.capture([x.input_ids for x in g]) for g in groups]
         sorted_start, at = [0] * len(seqs), 0
         for i in order:
