@@ -191,12 +191,14 @@ def test_chunk_size_auto_is_large_on_a_gpu_and_recorded_resolved(tmp_path, tiny_
     fingerprint hold the resolved number, so a rerun with an explicit 64 here is the same run."""
     import torch
 
-    from nestling.regenerate.engine import default_chunk_size
+    from nestling.regenerate.engine import default_chunk_size, resolve_chunk_size
 
     assert RegenerateSettings().chunk_size == 0
     assert default_chunk_size("hf", True) == default_chunk_size("vllm", True) == 2048
     assert default_chunk_size("hf", False) == default_chunk_size("vllm", False) == 64
     assert default_chunk_size("openai", True) == 64  # the servers batch; a chunk is only what a crash loses
+    # a server's chunk never depends on this machine's device setting (hf's `device` is not read for it)
+    assert resolve_chunk_size("openai", RegenerateSettings(engine="openai", device="cuda:7")) == 64
     target, data = tiny_target("llama"), _write_jsonl(tmp_path / "in.jsonl", ROWS[:1])
     m = regenerate(data, target, tmp_path / "out", RegenerateSettings(engine="hf", max_new_tokens=3))
     here = 2048 if torch.cuda.is_available() else 64

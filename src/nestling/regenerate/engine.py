@@ -94,7 +94,10 @@ def resolve_chunk_size(engine: str, s: RegenerateSettings) -> int:
 
     from nestling.devices import resolve_device
 
-    on_gpu = torch.cuda.is_available() if engine == "vllm" else resolve_device(s.device).startswith("cuda")
+    # vllm takes the GPU when there is one; hf runs where `device` says; a server's device is not ours
+    on_gpu = (engine == "vllm" and torch.cuda.is_available()) or (
+        engine == "hf" and resolve_device(s.device).startswith("cuda")
+    )
     return default_chunk_size(engine, on_gpu)
 
 

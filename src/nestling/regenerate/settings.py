@@ -30,9 +30,8 @@ class RegenerateSettings:
     max_model_len: int = 0  # prompt + answer limit; 0 = the target's max_position_embeddings
     max_turns: int = 0  # regenerate (and keep) only the first N assistant turns; 0 = all
     limit: int = 0  # only the first N input records; 0 = all
-    chunk_size: int = (
-        0  # conversations per engine call, committed together (the unit of resumption); 0 = auto (engine.py)
-    )
+    # conversations per engine call, committed together (the unit of resumption); 0 = auto (engine.py)
+    chunk_size: int = 0
     save_token_ids: bool = False  # also write the generated token ids of every turn (for checks)
     dtype: str = "auto"  # vllm / hf weights dtype: auto, bfloat16, float16, float32
     # engine: hf
