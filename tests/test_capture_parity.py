@@ -265,3 +265,42 @@ def test_online_batch_is_one_packed_forward_after_the_check(tiny_target, data_di
     assert calls == [len(samples)]
     torch.testing.assert_close(first.final, second.final, atol=1e-5, rtol=1e-5)
     backend.close()
+
+
+def _bugged(kind: str, real):
+    """`real` (packed_inputs) with a packing bug: samples attending to the previous one, or boundaries
+    off by one token."""
+
+    def wrong(seqs):
+        ids, pos, kw = real(seqs)
+        cu = kw["nestling_cu_list"]
+        kw["nestling_cu_list"] = [0, cu[-1]] if kind == "leak" else [0, *(c + 1 for c in cu[1:-1]), cu[-1]]
+        return ids, pos, kw
+
+    return wrong
+
+
+@pytest.mark.slow
+def test_packing_check_passes_real_bf16_drift_and_fails_packing_bugs(smollm2_dir, data_dir, monkeypatch):
+    """The auto check's tolerance, on the real target in bf16: packed and padded forwards differ by
+    rounding alone (well under packed.TOLERANCE), a leak across samples or a boundary off by one token
+    (well over). A 2% tolerance had sent real SmolLM2 back to padded batches on the H200 (0.026)."""
+    from nestling.capture import packed as pk
+
+    model = load_model(smollm2_dir, dtype="bfloat16")
+    seqs = [s.input_ids[:256] for s in _samples(data_dir)[:4]]
+    ids_ = [2, 15, 27, model.config.num_hidden_layers]
+
+    def states(packed: bool) -> torch.Tensor:
+        b = HFBackend(smollm2_dir, ids_, CaptureSettings(dtype="bfloat16", device="cpu"), model=model, packed=True)
+        out = b._packed(seqs) if packed else b._padded(seqs)
+        b.close()
+        return out
+
+    ref = states(False)
+    drift = pk.disagreement(states(True), ref)
+    assert 0 < drift < pk.TOLERANCE / 2, drift  # rounding moves bf16 states, by far less than the bar
+    real = pk.packed_inputs
+    for kind in ("leak", "off_by_one"):
+        monkeypatch.setattr(pk, "packed_inputs", _bugged(kind, real))
+        assert pk.disagreement(states(True), ref) > 2 * pk.TOLERANCE, kind

@@ -120,10 +120,11 @@ class HFBackend(Backend):
             return self._padded(seqs)
         if not self.packed_check_pending:
             return self._packed(seqs)
-        # auto mode, first batch: the packed states must agree with the padded path's, or this target
-        # stays padded, with the reason logged. bf16 in another GEMM shape moves a state by ~1% of its
-        # norm on deep models; a packing bug (a sample seeing another, lost causality) moves most states
-        # by ~100%: so the 99th percentile of the per-state relative error, against 2%
+        # auto mode, first batch: the packed states must agree with the padded path's (packed.py's
+        # TOLERANCE: bf16 drift passes, a packing bug does not), or this target stays padded, with
+        # the reason logged
+        from nestling.capture import packed as pk
+
         self.packed_check_pending = False
         try:
             got = self._packed(seqs)
@@ -132,9 +133,8 @@ class HFBackend(Backend):
         ref = self._padded(seqs)
         err = float("inf")
         if got is not None:
-            rel = (got.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1).clamp_min(1e-6)
-            err = torch.quantile(rel.flatten()[:1_000_000], 0.99).item()
-        if got is not None and err < 2e-2:
+            err = pk.disagreement(got, ref)
+        if got is not None and err < pk.TOLERANCE:
             log(f"[capture] hf backend: packed batches (no padding; varlen flash attention), checked: {err:.1e}")
             return got
         self.packed, self.packed_why = False, self.packed_why or f"packed states differ from padded ones by {err:.3g}"
