@@ -171,7 +171,8 @@ def shape_run(a) -> dict:
         profile_step(dec, a.profile)
     return {
         "stats": dec.stats.as_dict(slots),
-        "attention": a.attention,
+        "attention": dec.sm.attention,  # what ran (auto resolved; a failed flash check falls back)
+        "attention_asked": a.attention,
         "mode": f"shape:{a.shape}",
         "layers": cfg.num_hidden_layers,
         "hidden": cfg.hidden_size,
@@ -230,7 +231,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=0, help="shape mode: narrower model (smoke tests; a multiple of 128)")
     ap.add_argument("--eager", action="store_true", help="shape mode: no CUDA graphs (to see what they buy)")
     ap.add_argument(
-        "--attention", default="matmul", choices=["matmul", "sdpa"], help="shape mode: the step's attention"
+        "--attention",
+        default="auto",
+        choices=["auto", "matmul", "sdpa", "flash"],
+        help="shape mode: the step's attention (auto: flash where it runs, checked against matmul on the first step)",
     )
     ap.add_argument("--sync-every", type=int, default=0, help="shape mode: steps between host syncs (0 = auto)")
     ap.add_argument(

@@ -63,8 +63,8 @@ def _assert_equals_generate(engine: HFEngine, reqs: list[Request]) -> list:
 
 
 @pytest.mark.parametrize(
-    "arch,attention", [("llama", "matmul"), ("qwen3", "matmul"), ("llama", "sdpa")]
-)  # qwen3: q/k norms, tied embeddings
+    "arch,attention", [("llama", "matmul"), ("qwen3", "matmul"), ("llama", "sdpa"), ("llama", "flash")]
+)  # qwen3: q/k norms, tied embeddings; flash on a CPU: its cache layout, the masked matmul
 def test_fast_greedy_equals_generate_on_a_tiny_model_with_refills(arch, attention, tiny_target, capsys):
     engine = HFEngine(
         tiny_target(arch), RegenerateSettings(engine="hf", hf_batch_size=3, max_new_tokens=9, hf_attention=attention)
@@ -301,3 +301,82 @@ def test_streamed_turns_equal_turn_by_turn_waves(tiny_target, tmp_path, monkeypa
     streamed = _rows(tmp_path / "stream")
     assert sum(len(r["completion_token_ids"]) for r in streamed) == 1 + 2 + 3 + 1 + 2 + 3 + 1
     assert (tmp_path / "stream" / "messages.jsonl").read_bytes() == (tmp_path / "waves" / "messages.jsonl").read_bytes()
+
+
+def emulated_flash(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale, seqused_k):
+    """aten::_flash_attention_forward's varlen contract written out (the GPU kernel's stand-in):
+    query row r attends, without a causal mask, to keys cu_k[r] .. cu_k[r] + seqused_k[r] - 1, with
+    grouped kv heads; one query per row."""
+    assert max_q == 1 and dropout == 0.0 and not causal and (cu_q[1:] - cu_q[:-1] == 1).all()
+    rep = q.shape[1] // k.shape[1]
+    out = []
+    for r in range(q.shape[0]):
+        a, n = int(cu_k[r]), int(seqused_k[r])
+        assert 1 <= n <= max_k and a + n <= int(cu_k[r + 1])  # inside the row's own slot
+        ks, vs = (x[a : a + n].transpose(0, 1).repeat_interleave(rep, 0) for x in (k, v))
+        out.append(torch.nn.functional.scaled_dot_product_attention(q[r][:, None], ks, vs, scale=scale)[:, 0])
+    return (torch.stack(out),)
+
+
+def _flash_engine(tiny_target, monkeypatch, kernel):
+    """An engine whose decoders run the flash path through `kernel` in place of the GPU's, with auto
+    mode's first-step check (a CPU cannot run the real kernel; the arguments it gets are the same)."""
+    from nestling.regenerate import static_model
+    from nestling.regenerate.static_model import StaticModel
+
+    monkeypatch.setattr(static_model, "flash_varlen", kernel)
+    real_init = StaticModel.__init__
+
+    def init(self, model, slots, length, attention="matmul"):
+        real_init(self, model, slots, length, "flash")
+        self.kernel = self.check_pending = True  # as auto mode on a GPU starts
+
+    monkeypatch.setattr(StaticModel, "__init__", init)
+    return HFEngine(tiny_target("llama"), RegenerateSettings(engine="hf", hf_batch_size=3, max_new_tokens=9))
+
+
+def _requests(n: int = 8) -> list[Request]:
+    g = torch.Generator().manual_seed(1)
+    lens = [5, 40, 2, 17, 9, 1, 28, 12][:n]
+    return [Request(torch.randint(3, 40000, (m,), generator=g).tolist(), 9, 0) for m in lens]
+
+
+def test_flash_decode_reads_each_slots_own_keys(tiny_target, monkeypatch, capsys):
+    """The flash step's arguments (slot offsets, used lengths, grouped heads, scale) under the kernel's
+    contract give generate's greedy tokens through refills; the first-step check passes and keeps it."""
+    engine = _flash_engine(tiny_target, monkeypatch, emulated_flash)
+    _assert_equals_generate(engine, _requests())
+    assert engine.decoder.sm.attention == "flash" and not engine.decoder.sm.check_pending
+    assert "flash decode attention (each slot reads its own keys), checked" in capsys.readouterr().err
+    engine.close()
+
+
+def _wrong_kernel(*args, **kwargs):
+    out = emulated_flash(*args, **kwargs)
+    return (out[0].flip(0),)  # every row gets another row's attention
+
+
+def _missing_kernel(*args, **kwargs):
+    raise RuntimeError("seqused_k is not supported")
+
+
+@pytest.mark.parametrize("kernel,why", [(_wrong_kernel, "differ from the matmul"), (_missing_kernel, "RuntimeError")])
+def test_flash_decode_falls_back_to_matmul_when_its_check_fails(kernel, why, tiny_target, monkeypatch, capsys):
+    """A kernel that errs or disagrees on the first step: the cache (already prefilled) is relaid for
+    the matmul path, which runs from then on, and the tokens are still generate's."""
+    engine = _flash_engine(tiny_target, monkeypatch, kernel)
+    _assert_equals_generate(engine, _requests())
+    assert engine.decoder.sm.attention == "matmul" and why in engine.decoder.sm.flash_why
+    assert "flash decode attention failed its check" in capsys.readouterr().err
+    engine.close()
+
+
+def test_auto_attention_is_matmul_on_a_cpu(tiny_target, capsys):
+    from nestling.regenerate.static_model import resolve_attention
+
+    assert resolve_attention("auto", torch.float32, torch.device("cpu"))[0] == "matmul"
+    engine = HFEngine(tiny_target("llama"), RegenerateSettings(engine="hf", hf_batch_size=2, max_new_tokens=3))
+    assert "matmul attention (not flash: flash attention needs CUDA" in capsys.readouterr().err
+    engine.generate(_requests(2))
+    assert engine.decoder.sm.attention == "matmul" and not engine.decoder.sm.check_pending
+    engine.close()

@@ -1,4 +1,4 @@
-"""The one rule for `device: auto` (every stage that runs the target or the draft uses it)."""
+"""Device rules every stage shares: `device: auto`, and where PyTorch's flash-attention kernel runs."""
 
 from __future__ import annotations
 
@@ -15,3 +15,17 @@ def resolve_device(device: str) -> str:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise NestlingError(f"device {device!r} was asked for but torch sees no CUDA GPU; use device cpu (or auto)")
     return device
+
+
+def flash_unavailable(dtype, device) -> str | None:
+    """None where PyTorch's own flash-attention kernels run (`aten::_flash_attention_forward`: an
+    NVIDIA GPU of compute capability 8.0 or newer, bf16 or fp16), else why not, for a log line."""
+    import torch
+
+    if device.type != "cuda":
+        return "flash attention needs CUDA (this runs on the CPU)"
+    if torch.version.hip is not None or torch.cuda.get_device_capability(device) < (8, 0):
+        return "PyTorch's flash attention needs an NVIDIA GPU of compute capability 8.0 or newer"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"flash attention needs bf16 or fp16 (the model runs in {str(dtype).replace('torch.', '')})"
+    return None

@@ -45,13 +45,9 @@ def packable(config, dtype: torch.dtype, device: torch.device, force: bool = Fal
         return "it uses sliding-window attention"
     if force:
         return None
-    if device.type != "cuda":
-        return "packing needs CUDA's flash attention (this target runs on the CPU)"
-    if torch.version.hip is not None or torch.cuda.get_device_capability(device) < (8, 0):
-        return "PyTorch's varlen flash attention needs an NVIDIA GPU of compute capability 8.0 or newer"
-    if dtype not in (torch.bfloat16, torch.float16):
-        return f"flash attention needs bf16 or fp16 (the target runs in {str(dtype).replace('torch.', '')})"
-    return None
+    from nestling.devices import flash_unavailable
+
+    return flash_unavailable(dtype, device)
 
 
 def _per_sample(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scale: float | None):

@@ -177,7 +177,18 @@ class Decoder:
             self.graphs[window] = g
         return g
 
+    def _check(self, window: int) -> None:
+        """Auto attention's first step: flash against the masked matmul (static_model.check_flash)."""
+        s = self.state
+        err = self.sm.check_flash(s.tok, s.pos, window, s.live.nonzero().squeeze(1))
+        if self.sm.flash:
+            log(f"[regenerate] hf engine: flash decode attention (each slot reads its own keys), checked: {err:.1e}")
+        else:
+            log(f"[regenerate] hf engine: flash decode attention failed its check ({self.sm.flash_why}); matmul")
+
     def _steps(self, window: int) -> None:
+        if self.sm.check_pending:
+            self._check(window)
         if self.use_graphs:
             try:
                 g = self._graph(window)

@@ -17,6 +17,7 @@ from nestling.progress import log
 from nestling.regenerate.decode import WINDOW_STEP, Decoder, Job, Sampling, Stats, cache_length
 from nestling.regenerate.engine import Completion, Follow, Request, waves
 from nestling.regenerate.settings import RegenerateSettings
+from nestling.regenerate.static_model import resolve_attention
 
 
 def plan_batches(prompt_lens: list[int], max_new: list[int], max_size: int, max_tokens: int) -> list[list[int]]:
@@ -147,10 +148,14 @@ class HFEngine:
             )
             self.fast = False
         elif self.fast:
+            p = next(self.model.parameters())
+            attention, not_flash = resolve_attention(s.hf_attention, p.dtype, p.device)
             log(
                 f"[regenerate] hf engine: fast decode loop, up to {self.slots} slots, "
                 f"{self.cache_tokens} KV-cache tokens, "
                 + ("CUDA graphs" if self.graphs else "eager steps (CUDA graphs need a GPU)")
+                + f", {attention} attention"
+                + (f" (not flash: {not_flash})" if not_flash else "")
             )
 
     def _decoder(self, slots: int, length: int) -> Decoder:

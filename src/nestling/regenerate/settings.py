@@ -39,7 +39,9 @@ class RegenerateSettings:
     hf_fast: bool = True  # the static-cache decode loop (CUDA graphs on a GPU); false = transformers generate
     hf_batch_size: int = 0  # slots (fast) / requests per batch (generate); 0 = auto: 8 on CPU, 1024 on CUDA
     hf_batch_tokens: int = 0  # KV-cache tokens, slots x length (fast) / padded tokens per batch (generate); 0 = auto: 262144 on CPU, from free GPU memory on CUDA
-    hf_attention: Literal["matmul", "sdpa"] = "matmul"  # fast loop attention: float32 matmuls, or torch's fused kernel
+    # fast loop attention: auto = flash on a GPU that runs it (each slot reads only its own keys;
+    # checked against matmul on the first step), else matmul (float32 scores); sdpa: torch's fused kernel
+    hf_attention: Literal["auto", "matmul", "sdpa", "flash"] = "auto"
     hf_stream: bool = False  # fast loop: a conversation's next turn joins the running slots (else turn by turn)
     # engine: openai (one or several OpenAI-compatible servers, requests spread round-robin)
     urls: list[str] = field(default_factory=list)

@@ -6,6 +6,14 @@ the step is written here over the model's own modules (norms, projections, rotar
 the same weights and the same math as the model, with a `[slots, kv_heads, length, head_dim]`
 cache per layer and attention masked per row. The step has fixed shapes for a given attention
 window and no host work, so it can be captured in a CUDA graph.
+
+Masked attention reads every row's cache up to the window, the longest busy position: at ShareGPT
+scale (1,024 slots, windows up to ~1,500) that was ~35 GB of keys and values per step, most of it
+past the rows' own positions. `flash` reads each row's own keys only: the cache is laid out
+`[slots, length, kv_heads, head_dim]`, so the slots are variable-length sequences at fixed offsets,
+and PyTorch's flash kernel (`aten::_flash_attention_forward`, the varlen form with `seqused_k` =
+each row's position + 1) attends over the used part; the shapes stay fixed, so it is graph-safe.
+On a CPU the same layout runs the masked matmul (the tests' reference for the plumbing).
 """
 
 from __future__ import annotations
@@ -16,7 +24,28 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
-ATTENTION = ("matmul", "sdpa")  # matmul: scores in float32, as written below; sdpa: torch's fused kernel
+# matmul: scores in float32, as written below; sdpa: torch's fused kernel; flash: each row reads only
+# its used keys (CUDA, bf16/fp16); auto: flash where it runs, checked on the first step, else matmul
+ATTENTION = ("auto", "matmul", "sdpa", "flash")
+# the first flash step's logits must agree with the matmul's: largest |difference| / RMS of the
+# row's logits. bf16 rounding in another reduction order moves them by a few percent; a row reading
+# another row's keys or the wrong length moves them by O(1)
+FLASH_TOLERANCE = 0.25
+
+
+def flash_varlen(*args, **kwargs):
+    """PyTorch's flash kernel, varlen form (the seam the CPU tests fill with its contract written out)."""
+    return torch.ops.aten._flash_attention_forward(*args, **kwargs)
+
+
+def resolve_attention(attention: str, dtype: torch.dtype, device: torch.device) -> tuple[str, str | None]:
+    """(the attention a step runs, why not flash where auto declined it)."""
+    if attention != "auto":
+        return attention, None
+    from nestling.devices import flash_unavailable
+
+    why = flash_unavailable(dtype, device)
+    return ("matmul", why) if why else ("flash", None)
 
 
 def unsupported_reason(model) -> str | None:
@@ -38,7 +67,9 @@ class StaticModel:
     def __init__(self, model, slots: int, length: int, attention: str = "matmul"):
         if attention not in ATTENTION:
             raise ValueError(f"attention={attention!r}: one of {', '.join(ATTENTION)}")
-        self.attention = attention
+        p = next(model.parameters())
+        self.attention, self.flash_why = resolve_attention(attention, p.dtype, p.device)
+        self.check_pending = attention == "auto" and self.attention == "flash"  # see check_flash
         inner = model.model
         cfg = model.config
         self.model, self.inner, self.layers = model, inner, list(inner.layers)
@@ -48,12 +79,39 @@ class StaticModel:
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.scaling = attn.scaling
         self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        p = next(model.parameters())
         shape = (len(self.layers), slots, self.kv_heads, length, self.head_dim)
+        if self.flash:  # each slot's keys contiguous: a varlen sequence at offset slot * length
+            shape = (len(self.layers), slots, length, self.kv_heads, self.head_dim)
         self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.rows = torch.arange(slots, device=p.device)
+        self.cu_q = torch.arange(slots + 1, dtype=torch.int32, device=p.device)  # one query per row
+        self.cu_k = self.cu_q * length
         self.slots, self.length = slots, length
+        self.reference = False  # flash layout, but the masked matmul (check_flash's other half)
+        self.kernel = p.device.type == "cuda"  # flash on a CPU: the same layout, the masked matmul
+
+    @property
+    def flash(self) -> bool:
+        return self.attention == "flash"
+
+    def _cache(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's keys and values as [slots, kv_heads, length, head_dim] (a view in flash's layout)."""
+        if self.flash:
+            return self.k[i].transpose(1, 2), self.v[i].transpose(1, 2)
+        return self.k[i], self.v[i]
+
+    def _flash(self, i: int, q: torch.Tensor, pos: torch.Tensor, window: int) -> torch.Tensor:
+        """[rows, heads, d] queries against each row's keys at positions <= its own, on the GPU kernel."""
+        b, d = q.shape[0], self.head_dim
+        k = self.k[i].view(self.slots * self.length, self.kv_heads, d)
+        v = self.v[i].view(self.slots * self.length, self.kv_heads, d)
+        used = (pos + 1).clamp(max=window).to(torch.int32)  # idle slots' stale positions stay inside
+        out = flash_varlen(
+            q, k, v, self.cu_q[: b + 1], self.cu_k[: b + 1], 1, window, 0.0, False, False,
+            scale=self.scaling, seqused_k=used,
+        )  # fmt: skip
+        return out[0]
 
     def _attention(self, i: int, h: torch.Tensor, pos: torch.Tensor, cos, sin, mask) -> torch.Tensor:
         a = self.layers[i].self_attn
@@ -64,10 +122,13 @@ class StaticModel:
         if hasattr(a, "q_norm"):  # Qwen3 normalises q and k per head before the rotary embedding
             q, k = a.q_norm(q), a.k_norm(k)
         q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        self.k[i][self.rows, :, pos] = k[:, :, 0]
-        self.v[i][self.rows, :, pos] = v[:, :, 0]
+        keys, values = self._cache(i)
+        keys[self.rows, :, pos] = k[:, :, 0]
+        values[self.rows, :, pos] = v[:, :, 0]
         w = mask.shape[-1]
-        keys, values = self.k[i][:, :, :w], self.v[i][:, :, :w]
+        if self.flash and self.kernel and not self.reference:
+            return a.o_proj(self._flash(i, q[:, :, 0].contiguous(), pos, w).reshape(b, self.heads * d))
+        keys, values = keys[:, :, :w], values[:, :, :w]
         groups = self.heads // self.kv_heads
         qg = q.reshape(b, self.kv_heads, groups, d)  # head j reads kv head j // groups (repeat_kv)
         if self.attention == "sdpa":  # the groups act as the query length: no repeat of the cache
@@ -105,8 +166,33 @@ class StaticModel:
         out = self.inner(input_ids=ids.to(dev), past_key_values=cache, use_cache=True)
         idx = torch.tensor(slots, device=dev)
         for i, layer in enumerate(cache.layers):
-            self.k[i][idx, :, :width] = layer.keys
-            self.v[i][idx, :, :width] = layer.values
+            keys, values = self._cache(i)
+            keys[idx, :, :width] = layer.keys
+            values[idx, :, :width] = layer.values
         last = torch.tensor([len(p) - 1 for p in prompts], device=dev)
         hidden = out.last_hidden_state[torch.arange(len(prompts), device=dev), last]
         return self.model.lm_head(hidden).float()
+
+    def check_flash(self, tokens: torch.Tensor, pos: torch.Tensor, window: int, rows: torch.Tensor) -> float:
+        """Auto mode, before the first step: the flash step's logits against the masked matmul's on
+        the same cache (a step writes the same keys at the same positions, so running it twice is
+        harmless), over the busy `rows`. On a mismatch the cache is relaid for `matmul` and that is
+        used from then on. Returns the error (largest |difference| / RMS of the row's logits)."""
+        self.check_pending = False
+        try:
+            got = self.logits(tokens, pos, window)[rows]
+        except Exception as e:  # a torch build without the kernel or its seqused_k argument
+            got, self.flash_why = None, f"{type(e).__name__}: {str(e)[:200]}"
+        self.reference = True
+        ref = self.logits(tokens, pos, window)[rows]
+        self.reference = False
+        err = float("inf")
+        if got is not None:
+            rms = ref.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)
+            err = ((got - ref).abs() / rms).max().item() if len(rows) else 0.0
+        if err > FLASH_TOLERANCE:
+            self.flash_why = self.flash_why or f"its logits differ from the matmul's by {err:.3g} x RMS"
+            self.k = self.k.transpose(2, 3).contiguous()
+            self.v = self.v.transpose(2, 3).contiguous()
+            self.attention = "matmul"
+        return err
