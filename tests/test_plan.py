@@ -258,6 +258,22 @@ def test_kimi_k25_on_8x96gb_with_4tb(tmp_path):
     )
     cap = p16["time"]["capture"]
     assert cap["busy_gpus"] == 1 and cap["seconds"] == pytest.approx(1e8 / cap["tokens_per_s_per_gpu"])
+    # why not tensor parallel: capture/tp.py's refusal of compressed-tensors checkpoints, named
+    assert p16["target_memory"]["hf_split"] == "device_map" and "compressed-tensors" in p16["recommendation"]
+
+
+def test_hf_tensor_parallel_where_transformers_splits_the_target(tmp_path):
+    """DeepSeek-V3 (MLA: the hf backend) has a transformers tensor-parallel plan, so over 16 GPUs the
+    plan captures with TP 16, every GPU computing: 16x the device_map rate."""
+    p = plan(
+        write_config(tmp_path, DEEPSEEK_V3),
+        PlanSettings(tokens=100_000_000, gpus=16, gpu_memory="192GB", disk="8TB"),
+    )
+    t = p["target_memory"]
+    assert (t["backend"], t["hf_split"], t["tp"], t["busy_gpus"]) == ("hf", "tensor_parallel", 16, 16)
+    assert "backend=hf tensor_parallel_size=16 under torchrun" in p["recommendation"]
+    cap = p["time"]["capture"]
+    assert cap["busy_gpus"] == 16 and cap["seconds"] == pytest.approx(1e8 / (16 * cap["tokens_per_s_per_gpu"]))
 
 
 def test_rates_scale_from_the_measured_llama8b(tmp_path):

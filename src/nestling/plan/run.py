@@ -96,6 +96,24 @@ def capture_backend(cfg: dict) -> tuple[str, str]:
     return "vllm", "vLLM's extract_hidden_states path serves this architecture"
 
 
+def hf_tensor_parallel(cfg: dict, tp: int) -> str | None:
+    """None when the hf backend can split this target `tp` ways under torchrun, else why not: the rule
+    `nestling capture --tensor-parallel-size` applies (capture/tp.py: transformers' plan for the
+    architecture, head counts, quantization), on the config's transformers class, no weights."""
+    from transformers import AutoConfig
+
+    from nestling.capture import tp as rule
+
+    try:
+        conf = AutoConfig.for_model(**cfg)
+        rule.check_target(conf, tp)
+    except NestlingError as e:
+        return str(e)
+    except (ValueError, KeyError, TypeError) as e:  # a model type this transformers does not know
+        return f"transformers cannot read this config ({type(e).__name__}: {e})"
+    return None
+
+
 def target_plan(
     cfg: dict, weights: float, s: PlanSettings, usable: float, n_ids: int, loaded: float | None = None
 ) -> dict:
@@ -115,6 +133,12 @@ def target_plan(
             options.append({"tp": tp, "dp": dp, "per_gpu_bytes": per_gpu, "fits": per_gpu <= usable})
         tp *= 2
     fit = next((o for o in options if o["fits"]), None)
+    # hf over several GPUs: tensor parallel over all of them where transformers can split the target
+    # (every GPU computes), else device_map (the layers spread, one GPU computing at a time)
+    hf_tp_why = hf_tensor_parallel(cfg, s.gpus) if backend == "hf" and fit and fit["tp"] > 1 else None
+    hf_tp = backend == "hf" and fit is not None and fit["tp"] > 1 and hf_tp_why is None
+    if hf_tp:
+        fit = next(o for o in options if o["tp"] == s.gpus)
     return {
         "backend": backend,
         "backend_why": why,
@@ -123,8 +147,12 @@ def target_plan(
         "options": options,
         "tp": fit["tp"] if fit else None,
         "dp": fit["dp"] if fit else None,
-        # GPUs computing at once: vllm's TP x DP all work; hf's device_map runs the layers in turn
-        "busy_gpus": (s.gpus if backend == "vllm" else 1) if fit else 0,
+        "hf_split": ("tensor_parallel" if hf_tp else "device_map")
+        if backend == "hf" and fit and fit["tp"] > 1
+        else None,
+        "hf_tp_why_not": hf_tp_why,
+        # GPUs computing at once: vllm's TP x DP and hf's TP all work; hf's device_map runs the layers in turn
+        "busy_gpus": (s.gpus if backend == "vllm" or hf_tp else 1) if fit else 0,
     }
 
 
@@ -211,11 +239,12 @@ def modes(store: dict, target: dict, draft: dict, online_per_gpu: float, usable:
         if target["backend"] == "vllm":
             cap = f"capture backend=vllm tensor_parallel_size={target['tp']} data_parallel_size={target['dp']}"
         else:
-            cap = (
-                f"capture backend=hf device_map=auto (weights over {target['tp']} GPU(s), computing one at a time)"
-                if target["tp"] and target["tp"] > 1
-                else "capture backend=hf on one GPU"
-            )
+            cap = {
+                "tensor_parallel": f"capture backend=hf tensor_parallel_size={target['tp']} under torchrun "
+                f"(all {target['tp']} GPUs computing)",
+                "device_map": f"capture backend=hf device_map=auto (weights over {target['tp']} GPU(s), computing "
+                f"one at a time: {str(target['hf_tp_why_not']).split(':')[0]})",
+            }.get(target["hf_split"] or "", "capture backend=hf on one GPU")
         how = f"{cap}, dtype={name}; train {draft['parallel']} on {s.gpus} GPUs" if not why else ""
         out.append({"mode": f"offline, {name} store", "fits": not why, "why": "; ".join(why) or how})
     fits = online_per_gpu <= usable
