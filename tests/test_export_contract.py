@@ -3,6 +3,7 @@ ids are written in each engine's convention; a checkpoint from another target is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -293,3 +294,18 @@ def test_full_vocab_without_a_map_is_refused(full_draft, tmp_path):
     save_file({k: v for k, v in t.items() if k not in ("d2t", "t2d")}, str(train / "model.safetensors"))
     with pytest.raises(NestlingError, match="no d2t"):
         export(train, tmp_path / "d")
+
+
+def test_export_names_what_sglang_may_not_serve():
+    """A plain 1-layer draft has no caveat; the EAGLE-3.1 norms (the train default) and extra layers
+    are named, with the settings that make an SGLang-safe draft."""
+    from nestling.draft.model import DraftConfig
+    from nestling.export.run import sglang_caveat
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    base = DraftConfig(**shape, vocab_size=300, draft_vocab_size=100, aux_layer_ids=[1, 2, 3], num_target_layers=5)
+    assert sglang_caveat(base) is None
+    normed = sglang_caveat(dataclasses.replace(base, fc_norm=True, norm_output=True))
+    assert normed and "fc_norm, norm_output" in normed and "layers" not in normed.split(";")[0]
+    deep = sglang_caveat(dataclasses.replace(base, num_hidden_layers=2))
+    assert deep and "2 layers" in deep and "draft_layers=1" in deep

@@ -200,13 +200,17 @@ def test_draft_norms_from_a_recipe_string_train_export_and_decode(capture, tiny_
 
 
 def test_draft_norms_that_are_off_stay_out_of_the_run_key():
-    """A run from before the norm settings existed keeps its key (and so its checkpoints resume)."""
+    """A run from before the norm settings existed (norms off) keeps its key (and so its checkpoints
+    resume); the EAGLE-3.1 norms (on by default) enter it."""
     from nestling.train.plan import trajectory_settings
 
-    plain = trajectory_settings(TrainSettings(), 1e-3)
+    off = dict(draft_fc_norm=False, draft_norm_output=False)
+    plain = trajectory_settings(TrainSettings(**off), 1e-3)
     assert not any(k.startswith("draft_") and "norm" in k for k in plain)
-    on = trajectory_settings(TrainSettings(draft_fc_norm=True), 1e-3)
+    on = trajectory_settings(TrainSettings(**{**off, "draft_fc_norm": True}), 1e-3)
     assert on.pop("draft_fc_norm") is True and on == plain
+    default = trajectory_settings(TrainSettings(), 1e-3)
+    assert (default.pop("draft_fc_norm"), default.pop("draft_norm_output")) == (True, True) and default == plain
 
 
 # ---- bad input: one clear error before any training step ---------------------------------------------

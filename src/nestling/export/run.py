@@ -147,7 +147,23 @@ def _export(
         f"[export] wrote {settings.format} draft to {out} (aux layers: nestling/vLLM {cfg.aux_layer_ids}, "
         f"SGLang {sglang_layer_ids(cfg.aux_layer_ids)})"
     )
+    if not_for_sglang := sglang_caveat(cfg):
+        log(f"[export] for vLLM: {not_for_sglang}")
     return out
+
+
+def sglang_caveat(cfg: DraftConfig) -> str | None:
+    """What in this draft SGLang may not serve as vLLM does (docs/export.md), or None."""
+    why = [f"{n}" for n in NORM_OPTIONS if getattr(cfg, n)]
+    why = [f"the norms {', '.join(why)} (SGLang at 03d5a77 ignores them)"] if why else []
+    if cfg.num_hidden_layers > 1:
+        why.append(f"{cfg.num_hidden_layers} layers (SGLang builds one)")
+    if not why:
+        return None
+    return (
+        f"this draft has {' and '.join(why)}; for such an SGLang train with draft_layers=1 "
+        "draft_fc_norm=false draft_norm_output=false draft_norm_before_residual=false"
+    )
 
 
 def swap_in(build: Path, out: Path) -> None:
