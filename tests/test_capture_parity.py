@@ -286,9 +286,13 @@ def test_packing_check_passes_real_bf16_drift_and_fails_packing_bugs(smollm2_dir
     rounding alone (well under packed.TOLERANCE), a leak across samples or a boundary off by one token
     (well over). A 2% tolerance had sent real SmolLM2 back to padded batches on the H200 (0.026)."""
     from nestling.capture import packed as pk
+    from nestling.numerics import disagreement
 
     model = load_model(smollm2_dir, dtype="bfloat16")
-    seqs = [s.input_ids[:256] for s in _samples(data_dir)[:4]]
+    seqs = [s.input_ids for s in _samples(data_dir)[:4]]
+    seqs[2] = seqs[2][:1]  # ragged, and one sample of a single token
+    lengths = [len(s) for s in seqs]
+    assert len(set(lengths)) >= 3 and min(lengths) == 1
     ids_ = [2, 15, 27, model.config.num_hidden_layers]
 
     def states(packed: bool) -> torch.Tensor:
@@ -298,9 +302,9 @@ def test_packing_check_passes_real_bf16_drift_and_fails_packing_bugs(smollm2_dir
         return out
 
     ref = states(False)
-    drift = pk.disagreement(states(True), ref)
+    drift = disagreement(states(True), ref, lengths)
     assert 0 < drift < pk.TOLERANCE / 2, drift  # rounding moves bf16 states, by far less than the bar
     real = pk.packed_inputs
     for kind in ("leak", "off_by_one"):
         monkeypatch.setattr(pk, "packed_inputs", _bugged(kind, real))
-        assert pk.disagreement(states(True), ref) > 2 * pk.TOLERANCE, kind
+        assert disagreement(states(True), ref, lengths) > 2 * pk.TOLERANCE, kind

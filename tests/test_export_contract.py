@@ -44,6 +44,7 @@ def test_native_folder_matches_contract(train_dir, tiny_target, tmp_path):
     assert not any("embed" in k for k in t)
     m = json.loads((out / "manifest.json").read_text())
     assert m["stage"] == "export" and m["sglang_layer_ids"] == [0, 2, 3]
+    assert m["sglang_caveat"] is None  # a plain 1-layer draft: SGLang serves it as vLLM does
 
 
 def test_sglang_loading_rules(train_dir, tmp_path):

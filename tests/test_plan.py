@@ -274,6 +274,13 @@ def test_hf_tensor_parallel_where_transformers_splits_the_target(tmp_path):
     assert "backend=hf tensor_parallel_size=16 under torchrun" in p["recommendation"]
     cap = p["time"]["capture"]
     assert cap["busy_gpus"] == 16 and cap["seconds"] == pytest.approx(1e8 / (16 * cap["tokens_per_s_per_gpu"]))
+    # 24 GPUs: the degrees are powers of two that divide 24, so TP 8 (every 8 of them), not a crash
+    p24 = plan(
+        write_config(tmp_path, DEEPSEEK_V3, "ds24"),
+        PlanSettings(tokens=100_000_000, gpus=24, gpu_memory="192GB", disk="8TB"),
+    )
+    t = p24["target_memory"]
+    assert (t["hf_split"], t["tp"], t["busy_gpus"]) == ("tensor_parallel", 8, 8)
 
 
 def test_rates_scale_from_the_measured_llama8b(tmp_path):

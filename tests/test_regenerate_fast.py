@@ -360,7 +360,16 @@ def _missing_kernel(*args, **kwargs):
     raise RuntimeError("seqused_k is not supported")
 
 
-@pytest.mark.parametrize("kernel,why", [(_wrong_kernel, "differ from the matmul"), (_missing_kernel, "RuntimeError")])
+def _nan_kernel(*args, **kwargs):
+    out = emulated_flash(*args, **kwargs)[0].clone()
+    out[0, 0, 0] = float("nan")
+    return (out,)
+
+
+@pytest.mark.parametrize(
+    "kernel,why",
+    [(_wrong_kernel, "differ from the matmul"), (_missing_kernel, "RuntimeError"), (_nan_kernel, "nan")],
+)
 def test_flash_decode_falls_back_to_matmul_when_its_check_fails(kernel, why, tiny_target, monkeypatch, capsys):
     """A kernel that errs or disagrees on the first step: the cache (already prefilled) is relaid for
     the matmul path, which runs from then on, and the tokens are still generate's."""
@@ -380,3 +389,14 @@ def test_auto_attention_is_matmul_on_a_cpu(tiny_target, capsys):
     engine.generate(_requests(2))
     assert engine.decoder.sm.attention == "matmul" and not engine.decoder.sm.check_pending
     engine.close()
+
+
+def test_flash_cache_relays_in_place_for_matmul():
+    """The fallback's relayout ([layers, slots, length, kv_heads, d] -> [layers, slots, kv_heads, length, d])
+    moves every key to where the matmul path reads it, in the same storage (no second cache)."""
+    from nestling.regenerate.static_model import _relaid
+
+    cache = torch.randn(2, 3, 5, 4, 8)  # several kv heads: the two layouts differ in memory
+    want, storage = cache.transpose(2, 3).clone(), cache.untyped_storage().data_ptr()
+    got = _relaid(cache)
+    assert torch.equal(got, want) and got.untyped_storage().data_ptr() == storage

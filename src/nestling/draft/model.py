@@ -13,7 +13,8 @@ The last layer's pre-norm h feeds the next draft step (vLLM 0.32 `llama_eagle3.p
 layers, only layer 0 reads the embedding, the model returns the pre-norm sum). Layer 0 is `midlayer`,
 later layers `layers.1` ... `layers.N-1` (the export renames `midlayer` to `layers.0` when N > 1).
 
-Optional norms, off by default, each a key of the exported config.json that vLLM 0.32 reads
+Optional norms (off in a DraftConfig that does not name them: older checkpoints; training turns the
+two EAGLE-3.1 ones on by default), each a key of the exported config.json that vLLM 0.32 reads
 (`llama_eagle3.py`; the names are vLLM's, see NORM_OPTIONS):
     fc_norm               g = fc(concat(fc_norm.0(a1), fc_norm.1(a2), ...))   (one RMSNorm per aux state)
     norm_output           the next step reads norm(h_{N-1}) instead of h_{N-1} (post-norm feedback)

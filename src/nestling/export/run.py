@@ -142,6 +142,7 @@ def _export(
         aux_layer_ids=list(cfg.aux_layer_ids),
         vllm_layer_ids=vllm_layer_ids(cfg.aux_layer_ids),
         sglang_layer_ids=sglang_layer_ids(cfg.aux_layer_ids),
+        sglang_caveat=sglang_caveat(cfg),  # null: SGLang serves this draft as vLLM does
     )
     log(
         f"[export] wrote {settings.format} draft to {out} (aux layers: nestling/vLLM {cfg.aux_layer_ids}, "

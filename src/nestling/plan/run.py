@@ -133,12 +133,18 @@ def target_plan(
             options.append({"tp": tp, "dp": dp, "per_gpu_bytes": per_gpu, "fits": per_gpu <= usable})
         tp *= 2
     fit = next((o for o in options if o["fits"]), None)
-    # hf over several GPUs: tensor parallel over all of them where transformers can split the target
-    # (every GPU computes), else device_map (the layers spread, one GPU computing at a time)
-    hf_tp_why = hf_tensor_parallel(cfg, s.gpus) if backend == "hf" and fit and fit["tp"] > 1 else None
-    hf_tp = backend == "hf" and fit is not None and fit["tp"] > 1 and hf_tp_why is None
-    if hf_tp:
-        fit = next(o for o in options if o["tp"] == s.gpus)
+    # hf over several GPUs: tensor parallel (on one node, under torchrun) at the largest degree that
+    # fits and that transformers can split the target by (those GPUs all compute), else device_map
+    # (the layers spread, one GPU computing at a time)
+    hf_tp, hf_tp_why = False, None
+    if backend == "hf" and fit is not None and fit["tp"] > 1:
+        for o in sorted((o for o in options if o["fits"]), key=lambda o: -o["tp"]):
+            why_not = hf_tensor_parallel(cfg, int(o["tp"]))
+            if why_not is None:
+                fit, hf_tp = o, True
+                break
+            hf_tp_why = hf_tp_why or why_not
+        hf_tp_why = None if hf_tp else hf_tp_why
     return {
         "backend": backend,
         "backend_why": why,
@@ -152,7 +158,7 @@ def target_plan(
         else None,
         "hf_tp_why_not": hf_tp_why,
         # GPUs computing at once: vllm's TP x DP and hf's TP all work; hf's device_map runs the layers in turn
-        "busy_gpus": (s.gpus if backend == "vllm" or hf_tp else 1) if fit else 0,
+        "busy_gpus": (s.gpus if backend == "vllm" else fit["tp"] if hf_tp else 1) if fit else 0,
     }
 
 
