@@ -184,7 +184,7 @@ class StaticModel:
         """Auto mode, before the first step: the flash step's logits against the masked matmul's on
         the same cache (a step writes the same keys at the same positions, so running it twice is
         harmless), over the busy `rows`. On a mismatch the cache is relaid for `matmul` and that is
-        used from then on. Returns the error (largest |difference| / RMS of the row's logits)."""
+        used from then on. Returns the error (numerics.disagreement of the busy rows' logits)."""
         self.check_pending = False
         try:
             got = self.logits(tokens, pos, window)[rows]
