@@ -14,9 +14,9 @@ def disagreement(got: torch.Tensor, ref: torch.Tensor, lengths: list[int] | None
     percentile over all vectors would not see. NaN anywhere gives NaN (compare with `not err <= bar`)."""
     rel = (got.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1).clamp_min(1e-6)
     rel = rel.reshape(rel.shape[0], -1)  # [tokens, vectors per token]
-    err = torch.quantile(rel.flatten()[:1_000_000], 0.99).item()
     if torch.isnan(rel).any():
         return float("nan")
+    err = torch.quantile(rel.flatten()[:1_000_000], 0.99).item()
     at = 0
     for n in lengths or []:
         err = max(err, rel[at : at + n].median().item())

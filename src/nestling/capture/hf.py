@@ -132,9 +132,7 @@ class HFBackend(Backend):
         except Exception as e:  # e.g. a transformers version that does not pass the kwargs through
             got, self.packed_why = None, f"{type(e).__name__}: {str(e)[:200]}"
         ref = self._padded(seqs)
-        err = float("inf")
-        if got is not None:
-            err = disagreement(got, ref, [len(s) for s in seqs])
+        err = float("inf") if got is None else disagreement(got, ref, [len(s) for s in seqs])
         if got is not None and err < pk.TOLERANCE:  # NaN fails too
             log(f"[capture] hf backend: packed batches (no padding; varlen flash attention), checked: {err:.1e}")
             return got

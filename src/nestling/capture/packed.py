@@ -24,11 +24,12 @@ import torch.nn.functional as F
 NAME = "nestling_packed"  # the attention implementation's name in transformers' registry
 
 # The first packed batch must agree with the padded path's: numerics.disagreement (the 99th
-# percentile of the per-state relative error, or the worst sample's median) below this. bf16 alone moves real targets' states: SmolLM2-135M-Instruct measured
-# 0.026 on an H200 and 0.029-0.046 in bf16 on a CPU, its W4A16 twin 0.047 on the H200. Packing bugs,
-# measured on the same CPU forwards: a sample attending to the previous one 0.98-1.10, boundaries off
-# by one token 0.90-1.34. 0.2 sits ~4x above the first and ~4x below the second (the 2% this started
-# with sent every real target back to padded batches; tests/test_capture_parity.py).
+# percentile of the per-state relative error, or the worst sample's median) below this. bf16 alone
+# moves real targets' states: SmolLM2-135M-Instruct measured 0.026 on an H200 and 0.029-0.046 in
+# bf16 on a CPU, its W4A16 twin 0.047 on the H200. Packing bugs, measured on the same CPU forwards:
+# a sample attending to the previous one 0.98-1.10, boundaries off by one token 0.90-1.34. 0.2 sits
+# ~4x above the first and ~4x below the second (the 2% this started with sent every real target
+# back to padded batches; tests/test_capture_parity.py).
 TOLERANCE = 0.2
 # decoder families whose attention is plain causal GQA self-attention with one head dim (checked here)
 PACKABLE = {"llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral"}

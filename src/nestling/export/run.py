@@ -132,6 +132,7 @@ def _export(
     finally:
         if build.exists():
             shutil.rmtree(build)
+    caveat = sglang_caveat(cfg)
     write_manifest(
         out,
         "export",
@@ -142,21 +143,21 @@ def _export(
         aux_layer_ids=list(cfg.aux_layer_ids),
         vllm_layer_ids=vllm_layer_ids(cfg.aux_layer_ids),
         sglang_layer_ids=sglang_layer_ids(cfg.aux_layer_ids),
-        sglang_caveat=sglang_caveat(cfg),  # null: SGLang serves this draft as vLLM does
+        sglang_caveat=caveat,  # null: SGLang serves this draft as vLLM does
     )
     log(
         f"[export] wrote {settings.format} draft to {out} (aux layers: nestling/vLLM {cfg.aux_layer_ids}, "
         f"SGLang {sglang_layer_ids(cfg.aux_layer_ids)})"
     )
-    if not_for_sglang := sglang_caveat(cfg):
-        log(f"[export] for vLLM: {not_for_sglang}")
+    if caveat:
+        log(f"[export] for vLLM: {caveat}")
     return out
 
 
 def sglang_caveat(cfg: DraftConfig) -> str | None:
     """What in this draft SGLang may not serve as vLLM does (docs/export.md), or None."""
-    why = [f"{n}" for n in NORM_OPTIONS if getattr(cfg, n)]
-    why = [f"the norms {', '.join(why)} (SGLang at 03d5a77 ignores them)"] if why else []
+    norms = [n for n in NORM_OPTIONS if getattr(cfg, n)]
+    why = [f"the norms {', '.join(norms)} (SGLang at 03d5a77 ignores them)"] if norms else []
     if cfg.num_hidden_layers > 1:
         why.append(f"{cfg.num_hidden_layers} layers (SGLang builds one)")
     if not why:

@@ -136,15 +136,15 @@ def target_plan(
     # hf over several GPUs: tensor parallel (on one node, under torchrun) at the largest degree that
     # fits and that transformers can split the target by (those GPUs all compute), else device_map
     # (the layers spread, one GPU computing at a time)
-    hf_tp, hf_tp_why = False, None
+    hf_split, hf_tp_why = None, None
     if backend == "hf" and fit is not None and fit["tp"] > 1:
+        hf_split = "device_map"
         for o in sorted((o for o in options if o["fits"]), key=lambda o: -o["tp"]):
             why_not = hf_tensor_parallel(cfg, int(o["tp"]))
             if why_not is None:
-                fit, hf_tp = o, True
+                fit, hf_split, hf_tp_why = o, "tensor_parallel", None
                 break
             hf_tp_why = hf_tp_why or why_not
-        hf_tp_why = None if hf_tp else hf_tp_why
     return {
         "backend": backend,
         "backend_why": why,
@@ -153,12 +153,10 @@ def target_plan(
         "options": options,
         "tp": fit["tp"] if fit else None,
         "dp": fit["dp"] if fit else None,
-        "hf_split": ("tensor_parallel" if hf_tp else "device_map")
-        if backend == "hf" and fit and fit["tp"] > 1
-        else None,
+        "hf_split": hf_split,
         "hf_tp_why_not": hf_tp_why,
         # GPUs computing at once: vllm's TP x DP and hf's TP all work; hf's device_map runs the layers in turn
-        "busy_gpus": (s.gpus if backend == "vllm" else fit["tp"] if hf_tp else 1) if fit else 0,
+        "busy_gpus": (s.gpus if backend == "vllm" else fit["tp"] if hf_split == "tensor_parallel" else 1) if fit else 0,
     }
 
 

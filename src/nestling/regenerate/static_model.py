@@ -193,9 +193,7 @@ class StaticModel:
         self.reference = True
         ref = self.logits(tokens, pos, window)[rows]
         self.reference = False
-        err = float("inf")
-        if got is not None:
-            err = disagreement(got, ref) if len(rows) else 0.0
+        err = float("inf") if got is None else disagreement(got, ref) if len(rows) else 0.0
         if not err <= FLASH_TOLERANCE:  # NaN fails too
             self.flash_why = self.flash_why or f"its logits differ from the matmul's by {err:.3g} (relative)"
             self.k, self.v = _relaid(self.k), _relaid(self.v)
