@@ -351,6 +351,34 @@ def test_flash_decode_reads_each_slots_own_keys(tiny_target, monkeypatch, capsys
     engine.close()
 
 
+def test_flash_decode_reads_one_key_for_idle_slots(tiny_target, monkeypatch):
+    """Idle slots (live False) ask the kernel for one key, not their last occupant's whole history;
+    the live rows' logits are the same as when every slot reads its own length."""
+    from transformers import AutoModelForCausalLM
+
+    from nestling.regenerate import static_model
+
+    used: list[list[int]] = []
+
+    def kernel(*args, **kwargs):
+        used.append(kwargs["seqused_k"].tolist())
+        return emulated_flash(*args, **kwargs)
+
+    monkeypatch.setattr(static_model, "flash_varlen", kernel)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target("llama"), dtype=torch.float32).eval()
+    sm = static_model.StaticModel(model, slots=4, length=32, attention="flash")
+    sm.kernel = True  # the GPU path's arguments, through the stand-in
+    with torch.inference_mode():
+        sm.prefill([[5, 6, 7, 8, 9, 10], [3, 4], [7] * 20, [8] * 9], [0, 1, 2, 3], pad=0)
+        tokens, pos = torch.tensor([11, 12, 13, 14]), torch.tensor([6, 2, 20, 9])
+        live = torch.tensor([True, False, True, False])
+        every = sm.logits(tokens, pos, 32)
+        assert used[-1] == [7, 3, 21, 10]
+        some = sm.logits(tokens, pos, 32, live)
+    assert used[-1] == [7, 1, 21, 1]
+    assert torch.equal(some[live], every[live])
+
+
 def _wrong_kernel(*args, **kwargs):
     out = emulated_flash(*args, **kwargs)
     return (out[0].flip(0),)  # every row gets another row's attention

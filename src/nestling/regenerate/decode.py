@@ -142,7 +142,7 @@ class Decoder:
 
     def _step(self, window: int) -> None:
         s, sp = self.state, self.sampling
-        logits = self.sm.logits(s.tok, s.pos, window)
+        logits = self.sm.logits(s.tok, s.pos, window, s.live)
         nxt = pick_tokens(logits, s.seed, s.count, sp.temperature, sp.top_p, sp.top_k)
         nxt = torch.where(s.live, nxt, s.tok)
         col = s.count.clamp(max=s.out.shape[1] - 1)

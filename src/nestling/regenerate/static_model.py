@@ -108,19 +108,18 @@ class StaticModel:
             return self.k[i].transpose(1, 2), self.v[i].transpose(1, 2)
         return self.k[i], self.v[i]
 
-    def _flash(self, i: int, q: torch.Tensor, pos: torch.Tensor, window: int) -> torch.Tensor:
-        """[rows, heads, d] queries against each row's keys at positions <= its own, on the GPU kernel."""
+    def _flash(self, i: int, q: torch.Tensor, used: torch.Tensor, window: int) -> torch.Tensor:
+        """[rows, heads, d] queries against the first `used` keys of each row's own slot, on the GPU kernel."""
         b, d = q.shape[0], self.head_dim
         k = self.k[i].view(self.slots * self.length, self.kv_heads, d)
         v = self.v[i].view(self.slots * self.length, self.kv_heads, d)
-        used = (pos + 1).clamp(max=window).to(torch.int32)  # idle slots' stale positions stay inside
         out = flash_varlen(
             q, k, v, self.cu_q[: b + 1], self.cu_k[: b + 1], 1, window, 0.0, False, False,
             scale=self.scaling, seqused_k=used,
         )  # fmt: skip
         return out[0]
 
-    def _attention(self, i: int, h: torch.Tensor, pos: torch.Tensor, cos, sin, mask) -> torch.Tensor:
+    def _attention(self, i: int, h: torch.Tensor, pos: torch.Tensor, cos, sin, mask, used) -> torch.Tensor:
         a = self.layers[i].self_attn
         b, d = h.shape[0], self.head_dim
         q = a.q_proj(h).view(b, 1, self.heads, d)
@@ -134,7 +133,7 @@ class StaticModel:
         values[self.rows, :, pos] = v[:, :, 0]
         w = mask.shape[-1]
         if self.flash and self.kernel and not self.reference:
-            return a.o_proj(self._flash(i, q[:, :, 0].contiguous(), pos, w).reshape(b, self.heads * d))
+            return a.o_proj(self._flash(i, q[:, :, 0].contiguous(), used, w).reshape(b, self.heads * d))
         keys, values = keys[:, :, :w], values[:, :, :w]
         groups = self.heads // self.kv_heads
         qg = q.reshape(b, self.kv_heads, groups, d)  # head j reads kv head j // groups (repeat_kv)
@@ -146,16 +145,24 @@ class StaticModel:
         out = scores.softmax(-1).to(values.dtype) @ values  # [b, kv_heads, groups, d]
         return a.o_proj(out.reshape(b, self.heads * d))
 
-    def logits(self, tokens: torch.Tensor, pos: torch.Tensor, window: int) -> torch.Tensor:
+    def logits(
+        self, tokens: torch.Tensor, pos: torch.Tensor, window: int, live: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits [rows, vocab] (float32) of the next token after `tokens` at positions `pos`,
-        attending to cache positions < `window` that are <= each row's position."""
+        attending to cache positions < `window` that are <= each row's position. Rows where `live`
+        is False are idle slots whose logits are thrown away: flash reads one key for them instead of
+        their last occupant's whole history (at ShareGPT scale most slots idle at a wave's end)."""
         x = self.inner.embed_tokens(
             tokens
         )  # [rows, hidden]: 2-D, which CPU matmuls run much faster than [rows, 1, hidden]
         cos, sin = self.inner.rotary_emb(x, pos[:, None])
         mask = torch.arange(window, device=pos.device)[None, :] <= pos[:, None]
+        used = (pos + 1).clamp(max=window)  # flash's keys per row (a stale position stays inside)
+        if live is not None:
+            used = torch.where(live, used, 1)
+        used = used.to(torch.int32)
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer.input_layernorm(x), pos, cos, sin, mask)
+            x = x + self._attention(i, layer.input_layernorm(x), pos, cos, sin, mask, used)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.lm_head(self.inner.norm(x)).float()
 
