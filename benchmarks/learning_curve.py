@@ -22,6 +22,7 @@ Phases (each reuses what an earlier call left in --work, so consecutive device c
   text, which ranks drafts by what greedy speculative decoding accepts.
 - equal: the peer comparison: --equal-conversations human ShareGPT conversations, max length 1024,
   --equal-epochs epochs, the recipe; decoded with the reference decoder; its draft can be returned.
+  A recipe's max_length=N and epochs=E change the length and epochs of that run alone (ablations).
 - curve: one long run of the recipe, held-out simulated acceptance every --curve-points-th of the
   run, the reference decoder (K = 3, greedy) at --ref-points checkpoints; curve.png and the JSON.
 
@@ -373,28 +374,33 @@ def recipe(b: Bench) -> dict:
 
 
 def equal(b: Bench) -> None:
-    """The peer comparison: the same N human-written conversations, max length 1024, E epochs."""
+    """The peer comparison: the same N human-written conversations, max length 1024, E epochs (a recipe's
+    `max_length=` and `epochs=` change them for an ablation at this scale)."""
     a = b.args
-    over = {k: v for k, v in recipe(b).items() if k not in DATA_KEYS}
+    r = recipe(b)
+    over = {k: v for k, v in r.items() if k not in DATA_KEYS}
+    epochs = float(over.pop("epochs", a.equal_epochs))
+    ml = int(r.get("max_length", 1024))
     train_path = b.w / "split" / "train.json"
     dd = tokenize(
         b,
-        f"data-equal-{a.equal_conversations}",
+        f"data-equal-{a.equal_conversations}" + ("" if ml == 1024 else f"-{ml}"),
         train_path,
-        1024,
+        ml,
         limit=a.equal_conversations,
-        **({"rows": recipe(b)["rows"]} if "rows" in recipe(b) else {}),
+        **({"rows": r["rows"]} if "rows" in r else {}),
     )
     from nestling.train.run import train
 
     out = fresh(b.w / "train-equal")
-    s = settings(b, over, epochs=a.equal_epochs)
+    s = settings(b, over, epochs=epochs)
     m = b.timed("train equal", train, dd, out, s)
     fe = m.get("final_eval") or {}
     b.res["equal"] = {
         "settings": over,
         "conversations": a.equal_conversations,
-        "epochs": a.equal_epochs,
+        "epochs": epochs,
+        "max_length": ml,
         "steps": m.get("steps"),
         "sim_accept_len": fe.get("sim_accept_len"),
         "sim_k3": sim_k([fe.get(f"acc_{j}") for j in range(s.ttt_steps)]),
@@ -675,7 +681,7 @@ def table(b: Bench) -> None:
     if "equal" in r:
         e = r["equal"]
         print(
-            f"| equal data {e['settings']} | {e['steps']} | - | {e['sim_k3']:.3f} | - | "
+            f"| equal data {e['settings']}, {e['epochs']} epochs, max length {e.get('max_length', 1024)} | {e['steps']} | - | {e['sim_k3']:.3f} | - | "
             f"{e['reference_k3']['acceptance_length']:.3f} |"
         )
     if "curve" in r:
