@@ -9,7 +9,9 @@
 #   call 4: bash benchmarks/h200_curve.sh rest NAME (returns what call 3 could not carry and NAME's equal draft)
 #   or, after `stage`: [CURVE_TOKENS=45e6] bash benchmarks/h200_curve.sh one RECIPE  (one run, all in one call)
 #   or, after `stage`: [BATCH_TOKENS=8192] bash benchmarks/h200_curve.sh equal RECIPE  (the equal-data peer run)
-#   or, after `stage`: bash benchmarks/h200_curve.sh equals "A=RECIPE B=RECIPE"  (equal-data recipes side by side)
+#   or, after `stage`: bash benchmarks/h200_curve.sh equals "A=RECIPE B=RECIPE"  (equal-data recipes side by side;
+#                      a recipe's data=regen needs `stagedata` or `regenall` first, data=regen-n2 writes its own,
+#                      epochs=E and max_length=N change that run alone)
 #   or, after `stage`: [REGEN_SECONDS=240] bash benchmarks/h200_curve.sh regen RECIPE  (target-written data, one call)
 #   then, warm:        bash benchmarks/h200_curve.sh same data=human,RECIPE TOKENS  (the same conversations' human answers)
 #   or, after `stage`: bash benchmarks/h200_curve.sh regenall  (every training conversation, in the background;
@@ -59,6 +61,10 @@ pack_regen() {  # the target-written conversations, xz-compressed in 15 MiB part
   tar -C $W -cf - regen-rest/manifest.json regen-rest/messages.jsonl | xzpipe -z | split -b 15M -d - $RET/regen.tar.xz.
   ls -la $RET/regen.tar.xz.*; send
 }
+unpack_regen() {  # the target-written conversations `stagedata` staged, into $W (once)
+  mkdir -p $W
+  [ -f $W/regen-rest/messages.jsonl ] || cat /root/stage/regen/regen.tar.xz.* | xzpipe -d | tar -C $W -xf -
+}
 case "$1" in
 stage)
   mkdir -p /root/stage && cp .dev/a/* /root/stage/ && ls -la /root/stage ;;
@@ -73,7 +79,7 @@ reuse)  # after `stage` and `stagedata`: the carried target-written conversation
     f=${r%%,*}; if [[ $f == *=*=* ]]; then RUNS+=(--run "${r%%=*}=curve:${r#*=}"); else RUNS+=(--run "reuse=curve:$r"); fi
   done
   setup
-  mkdir -p $W && cat /root/stage/regen/regen.tar.xz.* | xzpipe -d | tar -C $W -xf -
+  unpack_regen
   echo $((T0 + 3000)) > /root/deadline  # `finish` waits by the runs, 560 s per call
   lc --out $RET --batch-tokens 32768 --max-length 2048 --phase prepare --regen-pilot 0 --regen-conversations 1000000 \
     --regen-chunk 1000000 --regen-max-turns 16 --regen-max-new-tokens 384 \
@@ -116,7 +122,9 @@ equals)  # after `stage`, all in one call: several equal-data recipes side by si
   T0=$(date +%s)
   setup
   RUNS=(); for r in $2; do RUNS+=(--run "${r%%=*}=equal:${r#*=}"); done
+  [ -d /root/stage/regen ] && unpack_regen  # for data=regen recipes (after `stagedata` or `regenall`)
   lc --out $RET --batch-tokens ${BATCH_TOKENS:-8192} --max-length 1024 --phase prepare --regen-conversations 0 \
+    --regen-max-turns 16 --regen-max-new-tokens 384 \
     --phase parallel --equal-conversations 2000 --equal-epochs 5 --eval-prompts 12 --eval-tokens 160 "${RUNS[@]}"
   lc --out $RET --phase wait --wait-until $((T0 + ${WAIT_SECONDS:-540})) --return best-equal 2>&1 | grep -v "it/s]" | tail -40
   send ;;

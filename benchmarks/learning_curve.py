@@ -22,7 +22,8 @@ Phases (each reuses what an earlier call left in --work, so consecutive device c
   text, which ranks drafts by what greedy speculative decoding accepts.
 - equal: the peer comparison: --equal-conversations human ShareGPT conversations, max length 1024,
   --equal-epochs epochs, the recipe; decoded with the reference decoder; its draft can be returned.
-  A recipe's max_length=N and epochs=E change the length and epochs of that run alone (ablations).
+  A recipe's max_length=N, epochs=E and data=regen|regen+sM change that run alone (ablations: the
+  same conversations with the target's greedy answers, or those plus M sampled answers per turn).
 - curve: one long run of the recipe, held-out simulated acceptance every --curve-points-th of the
   run, the reference decoder (K = 3, greedy) at --ref-points checkpoints; curve.png and the JSON.
 
@@ -106,12 +107,16 @@ def heldout_conversations(prompts: Path, out: Path) -> Path:
     return out
 
 
-def regen(b: Bench, name: str, src: Path, limit: int, max_turns: int, max_new: int, n: int = 1) -> Path:
+def regen(
+    b: Bench, name: str, src: Path, limit: int, max_turns: int, max_new: int, n: int = 1, temperature: float = 0.0
+) -> Path:
     from nestling.regenerate.run import regenerate
     from nestling.regenerate.settings import RegenerateSettings
 
     out = b.w / name
-    extra = {"n": n} if n > 1 else {}  # greedy plus n - 1 samples per prompt
+    extra: dict = {"temperature": temperature} if temperature > 0 else {}  # 0: greedy
+    if n > 1:  # n sampled answers per prompt (regenerate refuses n > 1 without a temperature)
+        extra.update(n=n, temperature=temperature or b.args.regen_temperature)
     rs = RegenerateSettings(
         engine="hf",
         device=b.args.device,
@@ -373,21 +378,53 @@ def recipe(b: Bench) -> dict:
     return out
 
 
+def equal_source(b: Bench, kind: str) -> tuple[list[Path], int | None]:
+    """An equal run's conversations and how many records to keep: the first N training conversations
+    with their ShareGPT answers (`human`); with the target's greedy answers from `regenall` or
+    `stagedata` (`regen`: regen-rest keeps the training order, less the few it skipped); or those
+    plus M answers per turn sampled here at --regen-temperature (`regen+sM`, about 80 s per answer
+    for 2,000 conversations on an H200)."""
+    a = b.args
+    train_path, n = b.w / "split" / "train.json", a.equal_conversations
+    if kind == "human":
+        return [train_path], n
+    greedy = b.w / "regen-rest" / "messages.jsonl"
+    if not greedy.exists():
+        raise SystemExit(
+            f"data={kind} in an equal run needs the target-written set first ({greedy} is missing): "
+            "`regenall` or `stagedata`"
+        )
+    if kind == "regen":
+        return [greedy], n
+    if kind.startswith("regen+s") and kind[7:].isdigit():
+        first, head = b.w / "split" / f"train_first{n}.json", b.w / f"regen-first{n}.jsonl"
+        if not first.exists():
+            first.write_text(json.dumps(json.loads(train_path.read_text())[:n]))
+        if not head.exists():  # the greedy answers of about the same conversations
+            with greedy.open() as f:
+                head.write_text("".join(line for _, line in zip(range(n), f)))
+        sampled = regen(b, f"regen-equal-{kind}", first, 0, a.regen_max_turns, a.regen_max_new_tokens, int(kind[7:]))
+        return [head, sampled], None
+    raise SystemExit(f"data={kind} in an equal run: human, regen or regen+sM (greedy plus M sampled answers)")
+
+
 def equal(b: Bench) -> None:
     """The peer comparison: the same N human-written conversations, max length 1024, E epochs (a recipe's
-    `max_length=` and `epochs=` change them for an ablation at this scale)."""
+    `max_length=`, `epochs=` and `data=` change them for an ablation at this scale)."""
     a = b.args
     r = recipe(b)
     over = {k: v for k, v in r.items() if k not in DATA_KEYS}
     epochs = float(over.pop("epochs", a.equal_epochs))
-    ml = int(r.get("max_length", 1024))
-    train_path = b.w / "split" / "train.json"
+    ml, kind = int(r.get("max_length", 1024)), str(r.get("data", "human"))
+    src, limit = equal_source(b, kind)
     dd = tokenize(
         b,
-        f"data-equal-{a.equal_conversations}" + ("" if ml == 1024 else f"-{ml}"),
-        train_path,
+        f"data-equal-{a.equal_conversations}"
+        + ("" if kind == "human" else f"-{kind}")
+        + ("" if ml == 1024 else f"-{ml}"),
+        src,
         ml,
-        limit=a.equal_conversations,
+        limit=limit,
         **({"rows": r["rows"]} if "rows" in r else {}),
     )
     from nestling.train.run import train
@@ -401,6 +438,7 @@ def equal(b: Bench) -> None:
         "conversations": a.equal_conversations,
         "epochs": epochs,
         "max_length": ml,
+        "data": kind,
         "steps": m.get("steps"),
         "sim_accept_len": fe.get("sim_accept_len"),
         "sim_k3": sim_k([fe.get(f"acc_{j}") for j in range(s.ttt_steps)]),
@@ -530,7 +568,7 @@ def plot_curve(c: dict, png: Path) -> None:
 
 # ---- several runs on one GPU ---------------------------------------------------------------------------
 
-SHARED = ("target", "split", "data-eval", "regen-eval")  # prepared once, linked into every run's folder
+SHARED = ("target", "split", "data-eval", "regen-eval", "regen-rest")  # prepared once, linked into every run's folder
 
 
 def parallel(b: Bench) -> None:
@@ -591,6 +629,12 @@ def parallel(b: Bench) -> None:
             str(a.equal_conversations),
             "--equal-epochs",
             str(a.equal_epochs),
+            "--regen-max-turns",
+            str(a.regen_max_turns),
+            "--regen-max-new-tokens",
+            str(a.regen_max_new_tokens),
+            "--regen-temperature",
+            str(a.regen_temperature),
         ]
         log = open(b.w / f"run-{name}.log", "w")
         env = {**__import__("os").environ, "OMP_NUM_THREADS": "3", "PYTHONUNBUFFERED": "1"}
@@ -681,7 +725,7 @@ def table(b: Bench) -> None:
     if "equal" in r:
         e = r["equal"]
         print(
-            f"| equal data {e['settings']}, {e['epochs']} epochs, max length {e.get('max_length', 1024)} | {e['steps']} | - | {e['sim_k3']:.3f} | - | "
+            f"| equal data {e['settings']}, {e['epochs']} epochs, max length {e.get('max_length', 1024)}, data {e.get('data', 'human')} | {e['steps']} | - | {e['sim_k3']:.3f} | - | "
             f"{e['reference_k3']['acceptance_length']:.3f} |"
         )
     if "curve" in r:
@@ -744,7 +788,8 @@ def main() -> None:
     ap.add_argument("--regen-pilot", type=int, default=512, help="0: no pilot, --regen-conversations in one call")
     ap.add_argument("--regen-max-turns", type=int, default=0, help="0 = every assistant turn")
     ap.add_argument("--regen-max-new-tokens", type=int, default=512)
-    ap.add_argument("--regen-n", type=int, default=1, help="answers per prompt (greedy + sampled)")
+    ap.add_argument("--regen-n", type=int, default=1, help="answers per prompt (n > 1: all sampled)")
+    ap.add_argument("--regen-temperature", type=float, default=0.7, help="the temperature of sampled answers")
     ap.add_argument("--regen-chunk", type=int, default=2048)
     ap.add_argument("--max-length", type=int, default=2048)
     ap.add_argument("--batch-tokens", type=int, default=16384)
