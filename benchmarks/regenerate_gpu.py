@@ -142,9 +142,11 @@ def shape_run(a) -> dict:
     )
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(a.prompt_min, a.prompt_max + 1, (a.requests,), generator=g).tolist()
+    lo = a.answer_min or a.max_new_tokens  # answers of random length end at different steps, as real ones do
+    caps = torch.randint(lo, a.max_new_tokens + 1, (a.requests,), generator=g).tolist()
     jobs = [
-        Job(torch.randint(10, cfg.vocab_size, (n,), generator=g).tolist(), a.max_new_tokens, i)
-        for i, n in enumerate(lens)
+        Job(torch.randint(10, cfg.vocab_size, (n,), generator=g).tolist(), cap, i)
+        for i, (n, cap) in enumerate(zip(lens, caps))
     ]
     length = cache_length(max(lens) + a.max_new_tokens)
     slots = max(1, min(slots, cache_tokens // length, a.requests))
@@ -160,6 +162,9 @@ def shape_run(a) -> dict:
         on_cuda and not a.eager,
         attention=a.attention,
     )
+    if a.read_idle:  # as before 4 Dec 2026: idle slots read their last occupant's keys every step
+        logits = dec.sm.logits
+        dec.sm.logits = lambda tokens, pos, window, live=None: logits(tokens, pos, window)  # type: ignore[method-assign]
     t0 = time.monotonic()
     with torch.inference_mode():
         out = dec.run(jobs, 65536 if on_cuda else 8192)
@@ -183,8 +188,10 @@ def shape_run(a) -> dict:
         "cache_length": length,
         "cuda_graphs": dec.use_graphs,
         "output_tokens": tokens,
-        "cap_hits": len(out),
-        "cap_share": 1.0,
+        "answer_min": lo,
+        "read_idle": a.read_idle,
+        "cap_hits": sum(c == a.max_new_tokens for c in caps),
+        "cap_share": round(sum(c == a.max_new_tokens for c in caps) / len(caps), 4),
         "turns": len(out),
         "generation_s": round(secs, 3),
         "wall_s": round(secs, 1),
@@ -230,6 +237,17 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="shape mode: fewer layers (smoke tests)")
     ap.add_argument("--hidden", type=int, default=0, help="shape mode: narrower model (smoke tests; a multiple of 128)")
     ap.add_argument("--eager", action="store_true", help="shape mode: no CUDA graphs (to see what they buy)")
+    ap.add_argument(
+        "--answer-min",
+        type=int,
+        default=0,
+        help="shape mode: each answer's length uniform in [N, --max-new-tokens] (0: all to the cap), so slots idle",
+    )
+    ap.add_argument(
+        "--read-idle",
+        action="store_true",
+        help="shape mode: idle slots read their last occupant's keys each step (flash before 4 Dec 2026)",
+    )
     ap.add_argument(
         "--attention",
         default="auto",
