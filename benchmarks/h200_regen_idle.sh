@@ -2,7 +2,9 @@
 # Issue #13: what idle slots cost the flash decode loop. Answers of random length (uniform 1..384, as
 # real answers end at different steps) leave slots idle until a refill or the end of a wave; before
 # 4 Dec 2026 an idle slot still read its last occupant's keys every step (`--read-idle` restores that),
-# now it reads one. SmolLM2 shape, random weights, on the H200 lent by the device tool; one call:
+# now it reads one; and prompts are prefilled packed instead of in right-padded batches
+# (`--padded-prefill` restores those). SmolLM2 shape, random weights, on the H200 lent by the device
+# tool; one call:
 #   run(command="bash benchmarks/h200_regen_idle.sh", kind="nvidia-h200")
 # Results: $OUT/idle_{wave,refill}_{before,now}.json, the log, a table last.
 # CPU smoke: OUT=/tmp/ri DEVICE=cpu SMOKE="--layers 2 --hidden 128 --slots 4" REQ=8 NEW=8 bash benchmarks/h200_regen_idle.sh
@@ -20,7 +22,7 @@ run() {  # NAME WHEN ARGS...: one benchmark run, its JSON in $OUT
 }
 {
   for when in before now; do
-    flag=""; [ $when = before ] && flag=--read-idle
+    flag=""; [ $when = before ] && flag="--read-idle --padded-prefill"
     # one wave: every slot filled once with a long history, then drained (a ShareGPT wave's shape)
     run wave $when --requests $((REQ / 2)) --slots $((REQ / 2)) --prompt-min 1024 --prompt-max 2048 $flag
     # four slots' worth of requests: refills keep slots busy until the queue empties
@@ -30,7 +32,7 @@ run() {  # NAME WHEN ARGS...: one benchmark run, its JSON in $OUT
 $PY - "$OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
-print("\nworkload  idle slots read          out tok/s   ms/step  steps  slot use  decode s")
+print("\nworkload  idle slots read          out tok/s   ms/step  steps  slot use  decode s  prefill s (how)")
 for name in ("wave", "refill"):
     for when, what in (("before", "last occupant's keys"), ("now", "one key")):
         f = out / f"idle_{name}_{when}.json"
@@ -39,5 +41,6 @@ for name in ("wave", "refill"):
             continue
         r = json.loads(f.read_text())
         s = r["stats"]
-        print(f"{name:9} {what:22} {r['output_tok_s']:>10,.0f} {s['ms_per_step']:>9} {s['steps']:>6} {s['slot_use']:>9} {s['step_s']:>9}")
+        print(f"{name:9} {what:22} {r['output_tok_s']:>10,.0f} {s['ms_per_step']:>9} {s['steps']:>6} {s['slot_use']:>9} "
+              f"{s['step_s']:>9} {s['prefill_s']:>9} ({r.get('prefill', 'padded')})")
 PY

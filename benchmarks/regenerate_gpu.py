@@ -162,6 +162,8 @@ def shape_run(a) -> dict:
         on_cuda and not a.eager,
         attention=a.attention,
     )
+    if a.padded_prefill:  # as before 4 Dec 2026: right-padded prefill batches through transformers' forward
+        dec.sm.packed_why, dec.sm.prefill_check_pending = "--padded-prefill", False
     if a.read_idle:  # as before 4 Dec 2026: idle slots read their last occupant's keys every step
         logits = dec.sm.logits
         dec.sm.logits = lambda tokens, pos, window, live=None: logits(tokens, pos, window)  # type: ignore[method-assign]
@@ -190,6 +192,7 @@ def shape_run(a) -> dict:
         "output_tokens": tokens,
         "answer_min": lo,
         "read_idle": a.read_idle,
+        "prefill": "padded" if dec.sm.packed_why else "packed",
         "cap_hits": sum(c == a.max_new_tokens for c in caps),
         "cap_share": round(sum(c == a.max_new_tokens for c in caps) / len(caps), 4),
         "turns": len(out),
@@ -242,6 +245,11 @@ def main() -> None:
         type=int,
         default=0,
         help="shape mode: each answer's length uniform in [N, --max-new-tokens] (0: all to the cap), so slots idle",
+    )
+    ap.add_argument(
+        "--padded-prefill",
+        action="store_true",
+        help="shape mode: right-padded prefill batches (before 4 Dec 2026) instead of packed ones",
     )
     ap.add_argument(
         "--read-idle",

@@ -347,7 +347,52 @@ def test_flash_decode_reads_each_slots_own_keys(tiny_target, monkeypatch, capsys
     engine = _flash_engine(tiny_target, monkeypatch, emulated_flash)
     _assert_equals_generate(engine, _requests())
     assert engine.decoder.sm.attention == "flash" and not engine.decoder.sm.check_pending
-    assert "flash decode attention (each slot reads its own keys), checked" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "flash decode attention (each slot reads its own keys), checked" in err
+    assert "packed prefill (no padding), checked" in err and engine.decoder.sm.packed_why is None
+    engine.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_packed_prefill_writes_what_padded_prefill_writes(arch, tiny_target):
+    """Prompts packed end to end (attention per prompt) leave the same keys and values in their slots
+    and give the same last logits as the right-padded batch, in fp32 (qwen3: per-head q/k norms)."""
+    from transformers import AutoModelForCausalLM
+
+    from nestling.regenerate.static_model import StaticModel
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target(arch), dtype=torch.float32).eval()
+    sm = StaticModel(model, slots=5, length=64, attention="flash")
+    assert sm.packed_why is None and sm.prefill_check_pending
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 40000, (n,), generator=g).tolist() for n in (7, 1, 30, 12)]
+    slots = [4, 0, 2, 1]  # any order
+    with torch.inference_mode():
+        packed = sm._prefill_packed(prompts, slots)
+        written = sm._written(sm._where(prompts, slots))
+        padded = sm._prefill_padded(prompts, slots, pad=0)
+        again = sm._written(sm._where(prompts, slots))
+    torch.testing.assert_close(packed, padded, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(written, again, rtol=1e-4, atol=1e-5)
+    assert sm.k[:, 3].abs().sum() == 0  # an unused slot stays untouched
+
+
+def test_packed_prefill_falls_back_when_its_check_fails(tiny_target, monkeypatch, capsys):
+    """Packed attention that mixes prompts fails the first batch's check: prefill stays padded, the
+    cache holds the padded keys, and the tokens are still generate's."""
+    from nestling.capture import packed
+
+    real = packed._per_sample
+
+    def leaky(q, k, v, cu, scale):  # every prompt's attention is the next prompt's
+        out = real(q, k, v, cu, scale)
+        return out.roll(1, 0)
+
+    monkeypatch.setattr(packed, "_per_sample", leaky)
+    engine = _flash_engine(tiny_target, monkeypatch, emulated_flash)
+    _assert_equals_generate(engine, _requests())
+    assert "differ from the padded ones" in engine.decoder.sm.packed_why
+    assert "packed prefill failed its check" in capsys.readouterr().err
     engine.close()
 
 

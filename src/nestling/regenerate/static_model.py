@@ -14,6 +14,10 @@ past the rows' own positions. `flash` reads each row's own keys only: the cache 
 and PyTorch's flash kernel (`aten::_flash_attention_forward`, the varlen form with `seqused_k` =
 each row's position + 1) attends over the used part; the shapes stay fixed, so it is graph-safe.
 On a CPU the same layout runs the masked matmul (the tests' reference for the plumbing).
+
+In flash's layout the prefill is packed too: a batch's prompts end to end in one row, attention per
+prompt (capture/packed.py's varlen flash), each layer's keys and values scattered into the slots, so
+no padding is computed or copied. Its first batch is checked against the padded forward.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ ATTENTION = ("auto", "matmul", "sdpa", "flash")
 # the first flash step's logits must agree with the matmul's: numerics.disagreement (per row, the
 # relative L2 error of the logits; its 99th percentile) below this, the packed capture's bar. bf16
 # rounding in another reduction order moves them by a few percent; a row reading another row's keys
-# or the wrong length moves them by O(1). To be measured on the H200 (not yet run there)
+# or the wrong length moves them by O(1). Measured on the H200: random-weight SmolLM2 and 8B shapes
+# 0.013 and 0.078, the real SmolLM2-135M-Instruct 0.038-0.078 (4 Dec 2026)
 FLASH_TOLERANCE = 0.2
 
 
@@ -97,6 +102,13 @@ class StaticModel:
         self.slots, self.length = slots, length
         self.reference = False  # flash layout, but the masked matmul (check_flash's other half)
         self.kernel = p.device.type == "cuda"  # flash on a CPU: the same layout, the masked matmul
+        # flash's layout holds each slot's keys contiguous, so prompts can be prefilled packed (no
+        # padding) and their keys scattered straight in; the first batch is checked against padded
+        from nestling.capture.packed import packable
+
+        self.packed_why = None if self.flash else "the cache is not in flash's layout"
+        self.packed_why = self.packed_why or packable(cfg, p.dtype, p.device, force=True)
+        self.prefill_check_pending = self.packed_why is None
 
     @property
     def flash(self) -> bool:
@@ -167,8 +179,17 @@ class StaticModel:
         return self.model.lm_head(self.inner.norm(x)).float()
 
     def prefill(self, prompts: list[list[int]], slots: list[int], pad: int) -> torch.Tensor:
-        """Run prompts through the model (right-padded: causal attention never sees the padding),
-        store their keys and values in `slots`, and return the last position's logits [n, vocab]."""
+        """Run prompts through the model, store their keys and values in `slots`, and return the last
+        position's logits [n, vocab]: packed where it runs (after its first batch passed the check),
+        else right-padded."""
+        if self.prefill_check_pending:
+            return self._check_packed_prefill(prompts, slots, pad)
+        if self.packed_why is None:
+            return self._prefill_packed(prompts, slots)
+        return self._prefill_padded(prompts, slots, pad)
+
+    def _prefill_padded(self, prompts: list[list[int]], slots: list[int], pad: int) -> torch.Tensor:
+        """Right-padded batch (causal attention never sees the padding) through transformers' forward."""
         from transformers import DynamicCache
 
         dev = self.k.device
@@ -186,6 +207,69 @@ class StaticModel:
         last = torch.tensor([len(p) - 1 for p in prompts], device=dev)
         hidden = out.last_hidden_state[torch.arange(len(prompts), device=dev), last]
         return self.model.lm_head(hidden).float()
+
+    def _where(self, prompts: list[list[int]], slots: list[int]) -> torch.Tensor:
+        """Each prompt token's row in a layer's cache viewed as [slots * length, kv_heads, head_dim]."""
+        lengths = torch.tensor([len(p) for p in prompts])
+        base = torch.repeat_interleave(torch.tensor(slots) * self.length, lengths)
+        return (base + torch.cat([torch.arange(n) for n in lengths.tolist()])).to(self.k.device)
+
+    def _prefill_packed(self, prompts: list[list[int]], slots: list[int]) -> torch.Tensor:
+        """All prompts end to end in one row, attention per prompt (capture/packed.py: varlen flash on
+        a GPU), each layer's keys and values scattered into the slots: no padding, no second copy."""
+        from transformers import DynamicCache
+
+        from nestling.capture.packed import NAME, packed_inputs, register
+
+        register()
+        dev = self.k.device
+        ids, pos, kw = packed_inputs(prompts)
+        kw["nestling_cu"] = kw["nestling_cu"].to(dev)
+        cache, cfg = DynamicCache(), self.inner.config
+        before, cfg._attn_implementation = cfg._attn_implementation, NAME
+        try:
+            out = self.inner(
+                input_ids=ids.to(dev), position_ids=pos.to(dev), past_key_values=cache, use_cache=True, **kw
+            )
+        finally:
+            cfg._attn_implementation = before
+        where, rows = self._where(prompts, slots), self.slots * self.length
+        for i, layer in enumerate(cache.layers):  # [1, kv_heads, tokens, d] -> the slots' rows
+            k, v = layer.keys, layer.values
+            assert k is not None and v is not None  # the forward filled every layer
+            self.k[i].view(rows, self.kv_heads, self.head_dim)[where] = k[0].transpose(0, 1)
+            self.v[i].view(rows, self.kv_heads, self.head_dim)[where] = v[0].transpose(0, 1)
+        last = torch.tensor(kw["nestling_cu_list"][1:], device=dev) - 1
+        return self.model.lm_head(out.last_hidden_state[0, last]).float()
+
+    def _written(self, where: torch.Tensor) -> torch.Tensor:
+        """The keys and values at `where` in every layer, [2 * layers * tokens, kv_heads * head_dim]."""
+        n = self.slots * self.length
+        kv = [c.view(len(self.layers), n, -1)[:, where] for c in (self.k, self.v)]
+        return torch.stack(kv).reshape(-1, kv[0].shape[-1]).clone()
+
+    def _check_packed_prefill(self, prompts: list[list[int]], slots: list[int], pad: int) -> torch.Tensor:
+        """The first batch packed, then padded into the same slots: the last logits and every written
+        key and value must agree (numerics.disagreement within the packed capture's bar), or prefill
+        stays padded. Either way the padded result is what the cache holds and the batch returns."""
+        from nestling.capture.packed import TOLERANCE
+        from nestling.progress import log
+
+        self.prefill_check_pending = False
+        where = self._where(prompts, slots)
+        try:
+            got = self._prefill_packed(prompts, slots)
+            got_kv = self._written(where)
+        except Exception as e:  # a transformers version that does not pass the kwargs through
+            got, self.packed_why = None, f"{type(e).__name__}: {str(e)[:200]}"
+        ref = self._prefill_padded(prompts, slots, pad)
+        err = float("inf") if got is None else max(disagreement(got, ref), disagreement(got_kv, self._written(where)))
+        if err <= TOLERANCE:  # NaN fails too
+            log(f"[regenerate] hf engine: packed prefill (no padding), checked: {err:.1e}")
+        else:
+            self.packed_why = self.packed_why or f"its logits or keys differ from the padded ones by {err:.3g}"
+            log(f"[regenerate] hf engine: packed prefill failed its check ({self.packed_why}); padded batches")
+        return ref
 
     def check_flash(self, tokens: torch.Tensor, pos: torch.Tensor, window: int, rows: torch.Tensor) -> float:
         """Auto mode, before the first step: the flash step's logits against the masked matmul's on
