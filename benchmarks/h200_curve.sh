@@ -10,7 +10,8 @@
 #   or, after `stage`: [CURVE_TOKENS=45e6] bash benchmarks/h200_curve.sh one RECIPE  (one run, all in one call)
 #   or, after `stage`: [BATCH_TOKENS=8192] bash benchmarks/h200_curve.sh equal RECIPE  (the equal-data peer run)
 #   or, after `stage`: bash benchmarks/h200_curve.sh equals "A=RECIPE B=RECIPE"  (equal-data recipes side by side;
-#                      a recipe's data=regen needs `stagedata` or `regenall` first, data=regen-n2 writes its own,
+#                      a recipe's data=regen needs `stagedata` or `regenall` (finished) first, data=regen+sM
+#                      also samples M answers per turn in the run,
 #                      epochs=E and max_length=N change that run alone)
 #   or, after `stage`: [REGEN_SECONDS=240] bash benchmarks/h200_curve.sh regen RECIPE  (target-written data, one call)
 #   then, warm:        bash benchmarks/h200_curve.sh same data=human,RECIPE TOKENS  (the same conversations' human answers)
@@ -61,9 +62,10 @@ pack_regen() {  # the target-written conversations, xz-compressed in 15 MiB part
   tar -C $W -cf - regen-rest/manifest.json regen-rest/messages.jsonl | xzpipe -z | split -b 15M -d - $RET/regen.tar.xz.
   ls -la $RET/regen.tar.xz.*; send
 }
-unpack_regen() {  # the target-written conversations `stagedata` staged, into $W (once)
+unpack_regen() {  # the target-written conversations `stagedata` staged, into $W (once; a marker after success)
   mkdir -p $W
-  [ -f $W/regen-rest/messages.jsonl ] || cat /root/stage/regen/regen.tar.xz.* | xzpipe -d | tar -C $W -xf -
+  [ -f $W/regen-rest/.unpacked ] && return
+  cat /root/stage/regen/regen.tar.xz.* | xzpipe -d | tar -C $W -xf - && touch $W/regen-rest/.unpacked
 }
 case "$1" in
 stage)

@@ -396,16 +396,19 @@ def equal_source(b: Bench, kind: str) -> tuple[list[Path], int | None]:
         )
     if kind == "regen":
         return [greedy], n
-    if kind.startswith("regen+s") and kind[7:].isdigit():
-        first, head = b.w / "split" / f"train_first{n}.json", b.w / f"regen-first{n}.jsonl"
+    if kind.startswith("regen+s") and kind[7:].isdigit() and int(kind[7:]) >= 1:
+        first, head = b.w / f"train_first{n}.json", b.w / f"regen-first{n}.jsonl"  # this run's own folder
         if not first.exists():
             first.write_text(json.dumps(json.loads(train_path.read_text())[:n]))
         if not head.exists():  # the greedy answers of about the same conversations
             with greedy.open() as f:
                 head.write_text("".join(line for _, line in zip(range(n), f)))
-        sampled = regen(b, f"regen-equal-{kind}", first, 0, a.regen_max_turns, a.regen_max_new_tokens, int(kind[7:]))
+        m = int(kind[7:])
+        sampled = regen(
+            b, f"regen-equal-{kind}", first, 0, a.regen_max_turns, a.regen_max_new_tokens, m, a.regen_temperature
+        )
         return [head, sampled], None
-    raise SystemExit(f"data={kind} in an equal run: human, regen or regen+sM (greedy plus M sampled answers)")
+    raise SystemExit(f"data={kind} in an equal run: human, regen or regen+sM (greedy plus M >= 1 sampled answers)")
 
 
 def equal(b: Bench) -> None:

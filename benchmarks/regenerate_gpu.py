@@ -142,7 +142,7 @@ def shape_run(a) -> dict:
     )
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(a.prompt_min, a.prompt_max + 1, (a.requests,), generator=g).tolist()
-    lo = a.answer_min or a.max_new_tokens  # answers of random length end at different steps, as real ones do
+    lo = min(a.answer_min or a.max_new_tokens, a.max_new_tokens)  # random lengths end at different steps
     caps = torch.randint(lo, a.max_new_tokens + 1, (a.requests,), generator=g).tolist()
     jobs = [
         Job(torch.randint(10, cfg.vocab_size, (n,), generator=g).tolist(), cap, i)

@@ -46,3 +46,15 @@ def tiny_target(smollm2_dir):
         return build_tiny_target(arch, cache_dir() / "tiny" / f"{arch}-s{seed}", tokenizer_dir=smollm2_dir, seed=seed)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def llama_kv2(smollm2_dir):
+    """The tiny Llama with 2 KV heads: the stock one has 1, which TP=2 cannot split and where cache
+    layouts that differ only in where the kv-head axis sits are the same bytes."""
+    from nestling.assets import cache_dir
+    from nestling.targets.tiny import build_tiny_target
+
+    return build_tiny_target(
+        "llama", cache_dir() / "tiny" / "llama-kv2-s0", tokenizer_dir=smollm2_dir, overrides={"num_key_value_heads": 2}
+    )

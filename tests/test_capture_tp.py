@@ -33,17 +33,6 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
-@pytest.fixture(scope="session")
-def llama_kv2(smollm2_dir):
-    """The tiny Llama with 2 KV heads (the stock one has 1, which TP=2 cannot split)."""
-    from nestling.assets import cache_dir
-    from nestling.targets.tiny import build_tiny_target
-
-    return build_tiny_target(
-        "llama", cache_dir() / "tiny" / "llama-kv2-s0", tokenizer_dir=smollm2_dir, overrides={"num_key_value_heads": 2}
-    )
-
-
 def _torchrun(data: Path, target: Path, out: Path, n: int = 2, *extra: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
     cmd = [

@@ -318,7 +318,7 @@ def emulated_flash(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *,
     return (torch.stack(out),)
 
 
-def _flash_engine(tiny_target, monkeypatch, kernel):
+def _flash_engine(target: Path, monkeypatch, kernel):
     """An engine whose decoders run the flash path through `kernel` in place of the GPU's, with auto
     mode's first-step check (a CPU cannot run the real kernel; the arguments it gets are the same)."""
     from nestling.regenerate import static_model
@@ -332,7 +332,7 @@ def _flash_engine(tiny_target, monkeypatch, kernel):
         self.kernel = self.check_pending = True  # as auto mode on a GPU starts
 
     monkeypatch.setattr(StaticModel, "__init__", init)
-    return HFEngine(tiny_target("llama"), RegenerateSettings(engine="hf", hf_batch_size=3, max_new_tokens=9))
+    return HFEngine(target, RegenerateSettings(engine="hf", hf_batch_size=3, max_new_tokens=9))
 
 
 def _requests(n: int = 8) -> list[Request]:
@@ -344,24 +344,33 @@ def _requests(n: int = 8) -> list[Request]:
 def test_flash_decode_reads_each_slots_own_keys(tiny_target, monkeypatch, capsys):
     """The flash step's arguments (slot offsets, used lengths, grouped heads, scale) under the kernel's
     contract give generate's greedy tokens through refills; the first-step check passes and keeps it."""
-    engine = _flash_engine(tiny_target, monkeypatch, emulated_flash)
+    used: list[int] = []
+
+    def kernel(*args, **kwargs):
+        used.extend(kwargs["seqused_k"].tolist())
+        return emulated_flash(*args, **kwargs)
+
+    engine = _flash_engine(tiny_target("llama"), monkeypatch, kernel)
     _assert_equals_generate(engine, _requests())
     assert engine.decoder.sm.attention == "flash" and not engine.decoder.sm.check_pending
+    assert 1 in used  # a live row is past its prompt (>= 2 keys): 1 is an idle slot, as the loop passes `live`
     err = capsys.readouterr().err
     assert "flash decode attention (each slot reads its own keys), checked" in err
     assert "packed prefill (no padding), checked" in err and engine.decoder.sm.packed_why is None
     engine.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_packed_prefill_writes_what_padded_prefill_writes(arch, tiny_target):
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama-kv2"])
+def test_packed_prefill_writes_what_padded_prefill_writes(arch, tiny_target, llama_kv2):
     """Prompts packed end to end (attention per prompt) leave the same keys and values in their slots
-    and give the same last logits as the right-padded batch, in fp32 (qwen3: per-head q/k norms)."""
+    and give the same last logits as the right-padded batch, in fp32 (qwen3: per-head q/k norms;
+    llama-kv2: two kv heads, where a layout mix-up shows)."""
     from transformers import AutoModelForCausalLM
 
     from nestling.regenerate.static_model import StaticModel
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_target(arch), dtype=torch.float32).eval()
+    target = llama_kv2 if arch == "llama-kv2" else tiny_target(arch)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     sm = StaticModel(model, slots=5, length=64, attention="flash")
     assert sm.packed_why is None and sm.prefill_check_pending
     g = torch.Generator().manual_seed(3)
@@ -369,12 +378,44 @@ def test_packed_prefill_writes_what_padded_prefill_writes(arch, tiny_target):
     slots = [4, 0, 2, 1]  # any order
     with torch.inference_mode():
         packed = sm._prefill_packed(prompts, slots)
-        written = sm._written(sm._where(prompts, slots))
+        written = sm._slot_kv(prompts, slots)
         padded = sm._prefill_padded(prompts, slots, pad=0)
-        again = sm._written(sm._where(prompts, slots))
+        again = sm._slot_kv(prompts, slots)
     torch.testing.assert_close(packed, padded, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(written, again, rtol=1e-4, atol=1e-5)
-    assert sm.k[:, 3].abs().sum() == 0  # an unused slot stays untouched
+    for got, want in zip(written, again):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert sm.k[:, 3].abs().sum() == 0 and sm.v[:, 3].abs().sum() == 0  # an unused slot stays untouched
+
+
+def test_packed_prefill_check_sees_one_damaged_prompt(tiny_target, monkeypatch, capsys):
+    """A packer that damages only the last of 150 prompts (under 1% of the logits and keys, which a
+    99th percentile alone would miss) fails the check, and the batch's logits are the padded path's."""
+    from transformers import AutoModelForCausalLM
+
+    from nestling.capture import packed
+    from nestling.regenerate.static_model import StaticModel
+
+    real = packed._per_sample
+
+    def last_damaged(q, k, v, cu, scale):
+        out = real(q, k, v, cu, scale).clone()
+        out[cu[-2] :] = out[cu[-2] :].flip(0)  # the last prompt's tokens get each other's attention
+        return out
+
+    monkeypatch.setattr(packed, "_per_sample", last_damaged)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target("llama"), dtype=torch.float32).eval()
+    n = 150
+    sm = StaticModel(model, slots=n, length=64, attention="flash")
+    g = torch.Generator().manual_seed(4)
+    prompts = [
+        torch.randint(3, 40000, (int(m),), generator=g).tolist() for m in torch.randint(8, 40, (n,), generator=g)
+    ]
+    with torch.inference_mode():
+        logits = sm.prefill(prompts, list(range(n)), pad=0)
+        padded = sm._prefill_padded(prompts, list(range(n)), pad=0)
+    assert sm.packed_why and "differ from the padded ones" in sm.packed_why
+    assert "packed prefill failed its check" in capsys.readouterr().err
+    torch.testing.assert_close(logits, padded)
 
 
 def test_packed_prefill_falls_back_when_its_check_fails(tiny_target, monkeypatch, capsys):
@@ -389,7 +430,7 @@ def test_packed_prefill_falls_back_when_its_check_fails(tiny_target, monkeypatch
         return out.roll(1, 0)
 
     monkeypatch.setattr(packed, "_per_sample", leaky)
-    engine = _flash_engine(tiny_target, monkeypatch, emulated_flash)
+    engine = _flash_engine(tiny_target("llama"), monkeypatch, emulated_flash)
     _assert_equals_generate(engine, _requests())
     assert "differ from the padded ones" in engine.decoder.sm.packed_why
     assert "packed prefill failed its check" in capsys.readouterr().err
@@ -443,10 +484,11 @@ def _nan_kernel(*args, **kwargs):
     "kernel,why",
     [(_wrong_kernel, "differ from the matmul"), (_missing_kernel, "RuntimeError"), (_nan_kernel, "nan")],
 )
-def test_flash_decode_falls_back_to_matmul_when_its_check_fails(kernel, why, tiny_target, monkeypatch, capsys):
+def test_flash_decode_falls_back_to_matmul_when_its_check_fails(kernel, why, llama_kv2, monkeypatch, capsys):
     """A kernel that errs or disagrees on the first step: the cache (already prefilled) is relaid for
-    the matmul path, which runs from then on, and the tokens are still generate's."""
-    engine = _flash_engine(tiny_target, monkeypatch, kernel)
+    the matmul path, which runs from then on (refills prefill padded into the relaid cache: with two
+    kv heads the layouts differ in memory), and the tokens are still generate's."""
+    engine = _flash_engine(llama_kv2, monkeypatch, kernel)
     _assert_equals_generate(engine, _requests())
     assert engine.decoder.sm.attention == "matmul" and why in engine.decoder.sm.flash_why
     assert "flash decode attention failed its check" in capsys.readouterr().err

@@ -40,6 +40,9 @@ ATTENTION = ("auto", "matmul", "sdpa", "flash")
 # or the wrong length moves them by O(1). Measured on the H200: random-weight SmolLM2 and 8B shapes
 # 0.013 and 0.078, the real SmolLM2-135M-Instruct 0.038-0.078 (4 Dec 2026)
 FLASH_TOLERANCE = 0.2
+# the packed prefill's check runs on the first batch's first prompts up to this many tokens (at least
+# one prompt): enough prompts to see one mixed into another, little memory for the copies it compares
+CHECK_TOKENS = 8192
 
 
 def flash_varlen(*args, **kwargs):
@@ -182,9 +185,9 @@ class StaticModel:
         """Run prompts through the model, store their keys and values in `slots`, and return the last
         position's logits [n, vocab]: packed where it runs (after its first batch passed the check),
         else right-padded."""
-        if self.prefill_check_pending:
-            return self._check_packed_prefill(prompts, slots, pad)
-        if self.packed_why is None:
+        if self.packed_why is None and self.flash:  # not after a failed flash check relaid the cache
+            if self.prefill_check_pending:
+                return self._check_packed_prefill(prompts, slots, pad)
             return self._prefill_packed(prompts, slots)
         return self._prefill_padded(prompts, slots, pad)
 
@@ -216,7 +219,7 @@ class StaticModel:
 
     def _prefill_packed(self, prompts: list[list[int]], slots: list[int]) -> torch.Tensor:
         """All prompts end to end in one row, attention per prompt (capture/packed.py: varlen flash on
-        a GPU), each layer's keys and values scattered into the slots: no padding, no second copy."""
+        a GPU), each layer's keys and values scattered into the slots: no padding computed or copied."""
         from transformers import DynamicCache
 
         from nestling.capture.packed import NAME, packed_inputs, register
@@ -242,34 +245,46 @@ class StaticModel:
         last = torch.tensor(kw["nestling_cu_list"][1:], device=dev) - 1
         return self.model.lm_head(out.last_hidden_state[0, last]).float()
 
-    def _written(self, where: torch.Tensor) -> torch.Tensor:
-        """The keys and values at `where` in every layer, [2 * layers * tokens, kv_heads * head_dim]."""
-        n = self.slots * self.length
-        kv = [c.view(len(self.layers), n, -1)[:, where] for c in (self.k, self.v)]
-        return torch.stack(kv).reshape(-1, kv[0].shape[-1]).clone()
+    def _slot_kv(self, prompts: list[list[int]], slots: list[int]) -> list[torch.Tensor]:
+        """Every layer's keys, then values, at the prompts' positions, [tokens, kv_heads * head_dim]
+        each, read through the layout-independent view (so a wrong scatter cannot read itself back)."""
+        out = []
+        for i in range(len(self.layers)):
+            for c in self._cache(i):
+                out.append(torch.cat([c[s, :, : len(p)].transpose(0, 1).flatten(1) for p, s in zip(prompts, slots)]))
+        return out
 
     def _check_packed_prefill(self, prompts: list[list[int]], slots: list[int], pad: int) -> torch.Tensor:
-        """The first batch packed, then padded into the same slots: the last logits and every written
-        key and value must agree (numerics.disagreement within the packed capture's bar), or prefill
-        stays padded. Either way the padded result is what the cache holds and the batch returns."""
+        """The first batch's first prompts (up to CHECK_TOKENS) packed, then padded into the same slots:
+        every prompt's last logits and every layer's keys and values, per prompt, must agree
+        (numerics.disagreement within the packed capture's bar), or prefill stays padded. The padded
+        result is what the cache holds and returns; the batch's other prompts take the chosen path."""
         from nestling.capture.packed import TOLERANCE
         from nestling.progress import log
 
         self.prefill_check_pending = False
-        where = self._where(prompts, slots)
+        n, total = 1, len(prompts[0])
+        while n < len(prompts) and total + len(prompts[n]) <= CHECK_TOKENS:
+            total, n = total + len(prompts[n]), n + 1
+        head, where, lengths = prompts[:n], slots[:n], [len(p) for p in prompts[:n]]
+        ref: torch.Tensor | None = None
         try:
-            got = self._prefill_packed(prompts, slots)
-            got_kv = self._written(where)
-        except Exception as e:  # a transformers version that does not pass the kwargs through
-            got, self.packed_why = None, f"{type(e).__name__}: {str(e)[:200]}"
-        ref = self._prefill_padded(prompts, slots, pad)
-        err = float("inf") if got is None else max(disagreement(got, ref), disagreement(got_kv, self._written(where)))
+            got = self._prefill_packed(head, where)
+            got_kv = self._slot_kv(head, where)
+            ref = self._prefill_padded(head, where, pad)
+            errs = [disagreement(got, ref, [1] * n)]  # [1] * n: the worst prompt counts
+            errs += [disagreement(g, r, lengths) for g, r in zip(got_kv, self._slot_kv(head, where))]
+            err = float("nan") if any(e != e for e in errs) else max(errs)
+        except Exception as e:  # a transformers version that does not pass the kwargs through, memory
+            err, self.packed_why = float("inf"), f"{type(e).__name__}: {str(e)[:200]}"
         if err <= TOLERANCE:  # NaN fails too
             log(f"[regenerate] hf engine: packed prefill (no padding), checked: {err:.1e}")
         else:
             self.packed_why = self.packed_why or f"its logits or keys differ from the padded ones by {err:.3g}"
             log(f"[regenerate] hf engine: packed prefill failed its check ({self.packed_why}); padded batches")
-        return ref
+        if ref is None:
+            ref = self._prefill_padded(head, where, pad)
+        return ref if n == len(prompts) else torch.cat([ref, self.prefill(prompts[n:], slots[n:], pad)])
 
     def check_flash(self, tokens: torch.Tensor, pos: torch.Tensor, window: int, rows: torch.Tensor) -> float:
         """Auto mode, before the first step: the flash step's logits against the masked matmul's on
@@ -289,6 +304,7 @@ class StaticModel:
             self.flash_why = self.flash_why or f"its logits differ from the matmul's by {err:.3g} (relative)"
             self.k, self.v = _relaid(self.k), _relaid(self.v)
             self.attention = "matmul"
+            self.packed_why = self.packed_why or "the cache was relaid for matmul (flash failed its check)"
         return err
 
 
