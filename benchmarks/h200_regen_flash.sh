@@ -25,18 +25,4 @@ run() {  # SHAPE ATTENTION ARGS...: one benchmark run, its JSON in $OUT
     run llama8b $att --requests 1024 --max-new-tokens 256 --prompt-min 64 --prompt-max 1024
   done
 } 2>&1 | tee "$OUT/h200_regen_flash.log"
-$PY - "$OUT" <<'PY'
-import json, pathlib, sys
-out = pathlib.Path(sys.argv[1])
-print("\nshape     attention(asked->ran)  out tok/s   ms/step  steps  slot use")
-for shape in ("smollm2", "llama8b"):
-    for att in ("matmul", "auto"):
-        f = out / f"regen_{shape}_{att}.json"
-        if not f.exists():
-            print(f"{shape:9} {att:22} (no result)")
-            continue
-        r = json.loads(f.read_text())
-        s = r["stats"]
-        ran = f"{r['attention_asked']}->{r['attention']}"
-        print(f"{shape:9} {ran:22} {r['output_tok_s']:>10,.0f} {s['ms_per_step']:>9} {s['steps']:>6} {s['slot_use']:>9}")
-PY
+$PY benchmarks/regenerate_gpu.py --table "$OUT"/regen_{smollm2,llama8b}_{matmul,auto}.json

@@ -29,18 +29,4 @@ run() {  # NAME WHEN ARGS...: one benchmark run, its JSON in $OUT
     run refill $when --requests $((4 * REQ)) --prompt-min 64 --prompt-max 2048 $flag
   done
 } 2>&1 | tee "$OUT/h200_regen_idle.log"
-$PY - "$OUT" <<'PY'
-import json, pathlib, sys
-out = pathlib.Path(sys.argv[1])
-print("\nworkload  idle slots read          out tok/s   ms/step  steps  slot use  decode s  prefill s (how)")
-for name in ("wave", "refill"):
-    for when, what in (("before", "last occupant's keys"), ("now", "one key")):
-        f = out / f"idle_{name}_{when}.json"
-        if not f.exists():
-            print(f"{name:9} {what:22} (no result)")
-            continue
-        r = json.loads(f.read_text())
-        s = r["stats"]
-        print(f"{name:9} {what:22} {r['output_tok_s']:>10,.0f} {s['ms_per_step']:>9} {s['steps']:>6} {s['slot_use']:>9} "
-              f"{s['step_s']:>9} {s['prefill_s']:>9} ({r.get('prefill', 'padded')})")
-PY
+$PY benchmarks/regenerate_gpu.py --table "$OUT"/idle_{wave,refill}_{before,now}.json

@@ -219,6 +219,26 @@ def profile_step(dec, window: int) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
+def table(paths: list[Path]) -> None:
+    """One line per result JSON of shape mode (the device scripts' summary, printed last)."""
+    print(
+        f"\n{'run':28} {'attention':14} {'idle reads':10} {'prefill':8} {'out tok/s':>10} {'ms/step':>8} "
+        f"{'steps':>6} {'slot use':>8} {'decode s':>8} {'prefill s':>9}"
+    )
+    for f in paths:
+        if not f.exists():
+            print(f"{f.stem:28} (no result)")
+            continue
+        r = json.loads(f.read_text())
+        s = r["stats"]
+        att = f"{r.get('attention_asked', '?')}->{r.get('attention', '?')}"
+        idle = "history" if r.get("read_idle") else "one key"
+        print(
+            f"{f.stem:28} {att:14} {idle:10} {r.get('prefill', 'padded'):8} {r['output_tok_s']:>10,.0f} "
+            f"{s['ms_per_step']:>8} {s['steps']:>6} {s['slot_use']:>8} {s['step_s']:>8} {s['prefill_s']:>9}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sharegpt", type=Path, help="ShareGPT JSON/JSONL (default: nestling's cached copy)")
@@ -267,7 +287,10 @@ def main() -> None:
         "--profile", type=int, default=0, help="shape mode: print the kernels of an eager step at this window"
     )
     ap.add_argument("--json", type=Path, help="write the result here")
+    ap.add_argument("--table", type=Path, nargs="+", help="print a summary of these result JSONs and exit")
     a = ap.parse_args()
+    if a.table:
+        return table(a.table)
     res = shape_run(a) if a.shape else sharegpt_run(a)
     keys = [
         "mode",
