@@ -108,7 +108,15 @@ def heldout_conversations(prompts: Path, out: Path) -> Path:
 
 
 def regen(
-    b: Bench, name: str, src: Path, limit: int, max_turns: int, max_new: int, n: int = 1, temperature: float = 0.0
+    b: Bench,
+    name: str,
+    src: Path,
+    limit: int,
+    max_turns: int,
+    max_new: int,
+    n: int = 1,
+    temperature: float = 0.0,
+    cache_tokens: int = 0,
 ) -> Path:
     from nestling.regenerate.run import regenerate
     from nestling.regenerate.settings import RegenerateSettings
@@ -117,6 +125,8 @@ def regen(
     extra: dict = {"temperature": temperature} if temperature > 0 else {}  # 0: greedy
     if n > 1:  # n sampled answers per prompt (regenerate refuses n > 1 without a temperature)
         extra.update(n=n, temperature=temperature or b.args.regen_temperature)
+    if cache_tokens:  # beside other runs on the GPU: a fixed KV cache, not a share of what is free now
+        extra["hf_batch_tokens"] = cache_tokens
     rs = RegenerateSettings(
         engine="hf",
         device=b.args.device,
@@ -404,8 +414,17 @@ def equal_source(b: Bench, kind: str) -> tuple[list[Path], int | None]:
             with greedy.open() as f:
                 head.write_text("".join(line for _, line in zip(range(n), f)))
         m = int(kind[7:])
+        # 2M KV-cache tokens (46 GB for SmolLM2): the runs training beside it keep the rest of the GPU
         sampled = regen(
-            b, f"regen-equal-{kind}", first, 0, a.regen_max_turns, a.regen_max_new_tokens, m, a.regen_temperature
+            b,
+            f"regen-equal-{kind}",
+            first,
+            0,
+            a.regen_max_turns,
+            a.regen_max_new_tokens,
+            m,
+            a.regen_temperature,
+            2**21 if b.cuda else 0,
         )
         return [head, sampled], None
     raise SystemExit(f"data={kind} in an equal run: human, regen or regen+sM (greedy plus M >= 1 sampled answers)")
