@@ -319,6 +319,12 @@ def main() -> None:
         help="evaluate this exported draft (e.g. from benchmarks/quality_gpu.py) instead of training one here",
     )
     ap.add_argument("--max-prompts", type=int, default=None, help="only the first N held-out prompts")
+    ap.add_argument(
+        "--skip-prompts",
+        type=int,
+        default=0,
+        help="with --draft: leave out the first N held-out prompts (e.g. 36: the other 64, never used for tuning)",
+    )
     ap.add_argument("--engines", default="both", choices=["reference", "vllm", "both"])
     ap.add_argument("--no-ngram", action="store_true", help="skip vLLM's ngram bar")
     ap.add_argument("--ngram-worker", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
@@ -364,6 +370,10 @@ def main() -> None:
     }
     config = load_run_config(None, STAGES, base_data=data)
     if args.draft:
+        if args.skip_prompts:  # a prompt set of its own, so that every engine reads the same file
+            rest = out / f"heldout_from{args.skip_prompts}.jsonl"
+            rest.write_text("".join(prompts_path.read_text().splitlines(keepends=True)[args.skip_prompts :]))
+            prompts_path = rest
         return evaluate_draft(args, args.draft, target, prompts_path, out)
     if budget["conversations"] is None:  # full: cap the capture store at the disk budget
         run_config(config, stages=STAGES, until="data")
