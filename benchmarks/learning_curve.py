@@ -399,14 +399,16 @@ def equal_source(b: Bench, kind: str) -> tuple[list[Path], int | None]:
     if kind == "human":
         return [train_path], n
     greedy = b.w / "regen-rest" / "messages.jsonl"
-    if not greedy.exists():
+    if (b.w / "split" / "train_pilot.json").exists():  # regen-rest would start after the pilot's conversations
+        raise SystemExit(f"data={kind} in an equal run needs regen-rest from `--regen-pilot 0` (regenall)")
+    if not (b.w / "regen-rest" / "manifest.json").exists():  # written when regeneration is done
         raise SystemExit(
             f"data={kind} in an equal run needs the target-written set first ({greedy} is missing): "
             "`regenall` or `stagedata`"
         )
     if kind == "regen":
         return [greedy], n
-    if kind.startswith("regen+s") and kind[7:].isdigit() and int(kind[7:]) >= 1:
+    if kind.startswith("regen+s") and kind[7:].isdigit() and int(kind[7:]) >= 1 and a.regen_temperature > 0:
         first, head = b.w / f"train_first{n}.json", b.w / f"regen-first{n}.jsonl"  # this run's own folder
         if not first.exists():
             first.write_text(json.dumps(json.loads(train_path.read_text())[:n]))

@@ -272,6 +272,7 @@ def evaluate_draft(args, draft: Path, target: str, prompts_path: Path, out: Path
     name = draft.name
     result = {
         "draft": str(draft),
+        "skip_prompts": args.skip_prompts,
         "target": target,
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
@@ -323,7 +324,7 @@ def main() -> None:
         "--skip-prompts",
         type=int,
         default=0,
-        help="with --draft: leave out the first N held-out prompts (e.g. 36: the other 64, never used for tuning)",
+        help="with --draft: leave out the first N held-out prompts (e.g. 36: the other 63, never used for tuning)",
     )
     ap.add_argument("--engines", default="both", choices=["reference", "vllm", "both"])
     ap.add_argument("--no-ngram", action="store_true", help="skip vLLM's ngram bar")
@@ -369,8 +370,12 @@ def main() -> None:
         },
     }
     config = load_run_config(None, STAGES, base_data=data)
+    if args.skip_prompts and not args.draft:
+        raise SystemExit("--skip-prompts measures an existing --draft")
     if args.draft:
         if args.skip_prompts:  # a prompt set of its own, so that every engine reads the same file
+            out = out / f"from{args.skip_prompts}"  # its results apart from the full set's
+            out.mkdir(parents=True, exist_ok=True)
             rest = out / f"heldout_from{args.skip_prompts}.jsonl"
             rest.write_text("".join(prompts_path.read_text().splitlines(keepends=True)[args.skip_prompts :]))
             prompts_path = rest

@@ -268,6 +268,7 @@ class StaticModel:
             total, n = total + len(prompts[n]), n + 1
         head, where, lengths = prompts[:n], slots[:n], [len(p) for p in prompts[:n]]
         ref: torch.Tensor | None = None
+        got_kv: list[torch.Tensor] = []
         try:
             got = self._prefill_packed(head, where)
             got_kv = self._slot_kv(head, where)
@@ -277,6 +278,7 @@ class StaticModel:
             err = float("nan") if any(e != e for e in errs) else max(errs)
         except Exception as e:  # a transformers version that does not pass the kwargs through, memory
             err, self.packed_why = float("inf"), f"{type(e).__name__}: {str(e)[:200]}"
+            got, got_kv = torch.empty(0), []  # free the check's copies before the padded retry below
         if err <= TOLERANCE:  # NaN fails too
             log(f"[regenerate] hf engine: packed prefill (no padding), checked: {err:.1e}")
         else:
