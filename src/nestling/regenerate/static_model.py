@@ -254,6 +254,16 @@ class StaticModel:
                 out.append(torch.cat([c[s, :, : len(p)].transpose(0, 1).flatten(1) for p, s in zip(prompts, slots)]))
         return out
 
+    def _packed_error(self, head: list[list[int]], where: list[int], pad: int) -> tuple[float, torch.Tensor]:
+        """(how far packed is from padded, the padded logits): every prompt's last logits ([1] * n: the
+        worst prompt counts) and each layer's keys and values per prompt; NaN anywhere gives NaN."""
+        got = self._prefill_packed(head, where)
+        got_kv = self._slot_kv(head, where)
+        ref = self._prefill_padded(head, where, pad)
+        errs = [disagreement(got, ref, [1] * len(head))]
+        errs += [disagreement(g, r, [len(p) for p in head]) for g, r in zip(got_kv, self._slot_kv(head, where))]
+        return (float("nan") if any(e != e for e in errs) else max(errs)), ref
+
     def _check_packed_prefill(self, prompts: list[list[int]], slots: list[int], pad: int) -> torch.Tensor:
         """The first batch's first prompts (up to CHECK_TOKENS) packed, then padded into the same slots:
         every prompt's last logits and every layer's keys and values, per prompt, must agree
@@ -266,19 +276,12 @@ class StaticModel:
         n, total = 1, len(prompts[0])
         while n < len(prompts) and total + len(prompts[n]) <= CHECK_TOKENS:
             total, n = total + len(prompts[n]), n + 1
-        head, where, lengths = prompts[:n], slots[:n], [len(p) for p in prompts[:n]]
+        head, where = prompts[:n], slots[:n]
         ref: torch.Tensor | None = None
-        got_kv: list[torch.Tensor] = []
-        try:
-            got = self._prefill_packed(head, where)
-            got_kv = self._slot_kv(head, where)
-            ref = self._prefill_padded(head, where, pad)
-            errs = [disagreement(got, ref, [1] * n)]  # [1] * n: the worst prompt counts
-            errs += [disagreement(g, r, lengths) for g, r in zip(got_kv, self._slot_kv(head, where))]
-            err = float("nan") if any(e != e for e in errs) else max(errs)
+        try:  # the copies it compares are freed with its frame, before a padded retry below
+            err, ref = self._packed_error(head, where, pad)
         except Exception as e:  # a transformers version that does not pass the kwargs through, memory
             err, self.packed_why = float("inf"), f"{type(e).__name__}: {str(e)[:200]}"
-            got, got_kv = torch.empty(0), []  # free the check's copies before the padded retry below
         if err <= TOLERANCE:  # NaN fails too
             log(f"[regenerate] hf engine: packed prefill (no padding), checked: {err:.1e}")
         else:
