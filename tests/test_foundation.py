@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from nestling.config import from_dict, load_settings, parse_overrides
+from nestling.config import from_dict, load_settings, parse_overrides, settings_from_args
 from nestling.errors import NestlingError
 from nestling.manifest import atomic_write_json, read_manifest, write_manifest
 from nestling.progress import Progress
@@ -58,6 +58,21 @@ def test_yaml_then_overrides(tmp_path):
     assert (cfg.steps, cfg.inner.lr, cfg.name) == (5, 0.5, "y")
     with pytest.raises(NestlingError, match="key=value"):
         parse_overrides(["oops"])
+
+
+def test_cli_flags_sit_between_the_config_file_and_key_value_overrides(tmp_path):
+    """Every stage CLI reads its settings through settings_from_args: a flag the user gave beats the
+    YAML, a key=value beats the flag, and a flag left unset (None) changes nothing."""
+    import argparse
+
+    p = tmp_path / "c.yaml"
+    p.write_text("steps: 5\nname: yaml\n")
+    args = argparse.Namespace(config=p, overrides=["name=kv"], steps=7, name="flag", extra=["steps=9"])
+    c = settings_from_args(Outer, args, ("steps", "name"))
+    assert (c.steps, c.name) == (7, "kv")
+    args.steps = None
+    assert settings_from_args(Outer, args, ("steps",)).steps == 5
+    assert settings_from_args(Outer, args, ("steps", "name"), args.extra).steps == 9  # overrides given apart
 
 
 def test_manifest_roundtrip_and_missing(tmp_path):

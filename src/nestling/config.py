@@ -173,3 +173,11 @@ def load_settings(cls: type[T], path: Path | None = None, overrides: list[str] |
     data = merge(data, {k: v for k, v in given.items() if v is not None})
     data = merge(data, parse_overrides(overrides or []))
     return from_dict(cls, data)
+
+
+def settings_from_args(cls: type[T], args: Any, flags: tuple[str, ...], overrides: list[str] | None = None) -> T:
+    """A stage CLI's settings: `--config`, then the named flags the user gave (argparse attributes of the
+    same name as the settings field; unset ones are None), then `key=value` overrides (`args.overrides`
+    unless given). One rule for every stage, so a flag and its key=value twin always agree."""
+    given = {f: getattr(args, f) for f in flags}
+    return load_settings(cls, args.config, args.overrides if overrides is None else overrides, **given)

@@ -96,25 +96,21 @@ def main(args: argparse.Namespace) -> int:
         raise NestlingError("usage: nestling capture DATA_DIR --target MODEL --out DIR (see --help)")
     from nestling.capture.run import capture
     from nestling.capture.settings import CaptureSettings
-    from nestling.config import load_settings
+    from nestling.config import settings_from_args
 
-    given = {
-        k: getattr(args, k)
-        for k in (
-            "backend",
-            "dtype",
-            "device",
-            "device_map",
-            "token_budget",
-            "shard_size",
-            "ignore_disk_check",
-            "tensor_parallel_size",
-            "data_parallel_size",
-        )
-    }
-    if args.layers:
-        given["layers"] = args.layers
-    settings = load_settings(CaptureSettings, args.config, args.extra, **given)
+    flags: tuple[str, ...] = (
+        "backend",
+        "dtype",
+        "device",
+        "device_map",
+        "token_budget",
+        "shard_size",
+        "ignore_disk_check",
+        "tensor_parallel_size",
+        "data_parallel_size",
+    )
+    flags += ("layers",) if args.layers else ()  # an empty list is not a choice
+    settings = settings_from_args(CaptureSettings, args, flags, args.extra)
     m = capture(args.data_dir, args.target, args.out, settings)
     from nestling.capture.tp import world
 

@@ -70,7 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.inputs[0] == "inspect":
         return run_inspect(args)
-    from nestling.config import load_settings
+    from nestling.config import settings_from_args
     from nestling.data.run import prepare_data
     from nestling.data.settings import DataSettings
 
@@ -80,20 +80,8 @@ def run(args: argparse.Namespace) -> int:
         raise NestlingError("give --target MODEL and --out DIR (see `nestling data --help`)")
     if not inputs:
         raise NestlingError("give at least one INPUT file")
-    settings = load_settings(
-        DataSettings,
-        args.config,
-        overrides,
-        max_length=args.max_length,
-        overflow=args.overflow,
-        held_out=args.held_out,
-        seed=args.seed,
-        last_turn_only=args.last_turn_only,
-        system_prompt=args.system_prompt,
-        chat_template=args.chat_template,
-        limit=args.limit,
-        workers=args.workers,
-    )
+    flags = ("max_length", "overflow", "held_out", "seed", "last_turn_only", "system_prompt", "chat_template")
+    settings = settings_from_args(DataSettings, args, flags + ("limit", "workers"), overrides)
     manifest = prepare_data(inputs, args.target, args.out, settings)
     print(
         json.dumps(

@@ -35,21 +35,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from nestling.config import load_settings
+    from nestling.config import settings_from_args
     from nestling.evaluate.run import evaluate
     from nestling.evaluate.settings import EvalSettings
 
-    s = load_settings(
-        EvalSettings,
-        args.config,
-        args.overrides,
-        k=args.k,
-        engine=args.engine,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        max_prompts=args.max_prompts,
-        device=args.device,
-    )
+    flags = ("k", "engine", "max_new_tokens", "temperature", "max_prompts", "device")
+    s = settings_from_args(EvalSettings, args, flags)
     evaluate(args.draft_dir, args.target, args.prompts, args.out, s)
     print(args.out / "report.md")
     return 0

@@ -53,19 +53,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from nestling.config import load_settings
+    from nestling.config import settings_from_args
     from nestling.export.run import export
     from nestling.export.settings import ExportSettings
 
-    settings = load_settings(
-        ExportSettings,
-        args.config,
-        args.overrides,
-        format=args.format,
-        dtype=args.dtype,
-        num_speculative_tokens=args.num_speculative_tokens,
-        target=args.target,
-    )
+    flags = ("format", "dtype", "num_speculative_tokens", "target")
+    settings = settings_from_args(ExportSettings, args, flags)
     out = export(args.train_dir, args.out, settings)
     print(out)
     return 0

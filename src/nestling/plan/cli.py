@@ -44,14 +44,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from nestling.config import load_settings
+    from nestling.config import settings_from_args
     from nestling.plan.report import table
     from nestling.plan.run import plan
     from nestling.plan.settings import PlanSettings
 
-    given = {k: getattr(args, k) for k in ("tokens", "data", "gpus", "gpu_memory", "disk", "gpu_tflops")}
-    if args.layers:
-        given["layers"] = args.layers
-    result = plan(args.target, load_settings(PlanSettings, args.config, args.extra, **given))
+    flags = ("tokens", "data", "gpus", "gpu_memory", "disk", "gpu_tflops") + (("layers",) if args.layers else ())
+    result = plan(args.target, settings_from_args(PlanSettings, args, flags, args.extra))
     print(json.dumps(result, indent=2) if args.json else table(result), flush=True)
     return 0

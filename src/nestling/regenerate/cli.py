@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from nestling.config import load_settings
+from nestling.config import settings_from_args
 from nestling.regenerate.settings import RegenerateSettings
 
 HELP = """\
@@ -83,24 +83,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from nestling.regenerate.run import regenerate
 
-    s = load_settings(
-        RegenerateSettings,
-        args.config,
-        args.overrides,
-        engine=args.engine,
-        urls=args.urls,
-        temperature=args.temperature,
-        n=args.n,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_new_tokens=args.max_new_tokens,
-        max_model_len=args.max_model_len,
-        reasoning=args.reasoning,
-        max_turns=args.max_turns,
-        limit=args.limit,
-        dtype=args.dtype,
-        device=args.device,
-    )
+    flags: tuple[str, ...] = ("engine", "urls", "temperature", "n", "top_p", "top_k", "max_new_tokens", "max_model_len")
+    flags += ("reasoning", "max_turns", "limit", "dtype", "device")
+    s = settings_from_args(RegenerateSettings, args, flags)
     manifest = regenerate(args.input, args.target, args.out, s)
     c = manifest["counts"]
     print(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from nestling.config import load_settings
+from nestling.config import settings_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -60,16 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from nestling.train.run import train
     from nestling.train.settings import TrainSettings
 
-    s = load_settings(
-        TrainSettings,
-        args.config,
-        args.overrides,
-        epochs=args.epochs,
-        steps=args.steps,
-        ttt_steps=args.ttt_steps,
-        online=args.online,
-        target=args.target,
-    )
+    s = settings_from_args(TrainSettings, args, ("epochs", "steps", "ttt_steps", "online", "target"))
     resume = args.resume_from if args.resume_from is not None else args.resume
     m = train(args.capture_dir, args.out, s, resume=resume)
     import os
