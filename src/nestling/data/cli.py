@@ -80,8 +80,18 @@ def run(args: argparse.Namespace) -> int:
         raise NestlingError("give --target MODEL and --out DIR (see `nestling data --help`)")
     if not inputs:
         raise NestlingError("give at least one INPUT file")
-    flags = ("max_length", "overflow", "held_out", "seed", "last_turn_only", "system_prompt", "chat_template")
-    settings = settings_from_args(DataSettings, args, flags + ("limit", "workers"), overrides)
+    flags: tuple[str, ...] = (
+        "max_length",
+        "overflow",
+        "held_out",
+        "seed",
+        "last_turn_only",
+        "system_prompt",
+        "chat_template",
+        "limit",
+        "workers",
+    )
+    settings = settings_from_args(DataSettings, args, flags, overrides)
     manifest = prepare_data(inputs, args.target, args.out, settings)
     print(
         json.dumps(
