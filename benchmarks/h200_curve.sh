@@ -10,7 +10,8 @@
 #   or, after `stage`: [CURVE_TOKENS=45e6] bash benchmarks/h200_curve.sh one RECIPE  (one run, all in one call)
 #   or, after `stage`: [BATCH_TOKENS=8192] bash benchmarks/h200_curve.sh equal RECIPE  (the equal-data peer run)
 #   or, after `stage`: bash benchmarks/h200_curve.sh equals "A=RECIPE B=RECIPE"  (equal-data recipes side by side;
-#                      a recipe's data=regen needs `stagedata` or `regenall` (finished) first, data=regen+sM
+#                      a recipe's data=regen needs `stagedata` or `regenall` first (right after `regenall`, `equals`
+#                      waits for its end: no `waitdata` between), data=regen+sM
 #                      also samples M answers per turn in the run,
 #                      epochs=E and max_length=N change that run alone)
 #   or, after `stage`: [REGEN_SECONDS=240] bash benchmarks/h200_curve.sh regen RECIPE  (target-written data, one call)
@@ -52,8 +53,8 @@ setup() {  # the code, the wheels, the target (staged part + carried part, md5-c
   python3 -c "import zipfile; zipfile.ZipFile('.dev/b/sharegpt.whl').extractall('$H/sg')"
 }
 report() {  # where `regenall` stands: the engine's lines, the last progress line, its results when done
-  grep -a "hf engine\|done:\|\[curve\]\|Error" $W/prep.log | tail -20
-  tr '\r' '\n' < $W/prep.log | grep -a "tok/s" | tail -1
+  grep -a "hf engine\|done:\|\[curve\]\|Error" $W/prep.log | tail -20 || true  # no such line yet is no error
+  tr '\r' '\n' < $W/prep.log | grep -a "tok/s" | tail -1 || true
   cp $W/prep/learning_curve.json $OUT/regenall.json 2>/dev/null || echo "[h200] still regenerating"
   cp $W/prep.log $OUT/regenall.log 2>/dev/null || true
   [ -f $W/data-human/manifest.json ] && pack_regen || true
@@ -129,8 +130,14 @@ equal)  # after `stage`, all in one call: the peer comparison (2,000 conversatio
     --return equal 2>&1 | grep -v "it/s]" | tail -40
   send ;;
 equals)  # after `stage`, all in one call: several equal-data recipes side by side on the GPU
-  # (RECIPES: NAME=key=value,... separated by spaces), the best one's draft back (by simulated K = 3)
+  # (RECIPES: NAME=key=value,... separated by spaces), the best one's draft back (by simulated K = 3).
+  # Right after `regenall` it first waits (REGEN_WAIT, 150 s) for that run's end and reports it, so no
+  # `waitdata` call (and no idle gap that could lose the machine) sits between the two
   T0=$(date +%s)
+  if [ -f $W/prep.log ] && [ ! -f $W/data-human/manifest.json ]; then
+    while [ ! -f $W/data-human/manifest.json ] && [ $(date +%s) -lt $((T0 + ${REGEN_WAIT:-150})) ]; do sleep 5; done
+    report  # before setup: setup replaces the code the regeneration runs from
+  fi
   setup
   RUNS=(); for r in $2; do RUNS+=(--run "${r%%=*}=equal:${r#*=}"); done
   [ -d $H/stage/regen ] && unpack_regen  # for data=regen recipes (after `stagedata` or `regenall`)

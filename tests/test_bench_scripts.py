@@ -27,3 +27,18 @@ def test_curve_script_fails_fast_on_a_fresh_machine(tmp_path, call):
     assert "fresh machine" in r.stderr and "start again with `stage`" in r.stderr
     assert time.monotonic() - t0 < 30  # not the 300 s it was told to wait
     assert not (tmp_path / "repo").exists()  # nothing set up on the way
+
+
+def test_equals_waits_for_a_running_regeneration_before_setting_up(tmp_path):
+    """Right after `regenall`, `equals` reports the regeneration (at most REGEN_WAIT seconds) before its
+    setup replaces the code that run is using; then, on this empty home, setup stops for the GGUF."""
+    (tmp_path / "lc").mkdir()
+    (tmp_path / "lc" / "prep.log").write_text("[regenerate] 10/20 turn (50.0%) 1 turn/s 300 tok/s\n")
+    (tmp_path / "out").mkdir()
+    env = {**os.environ, "H200_HOME": str(tmp_path), "OUT": str(tmp_path / "out"), "REGEN_WAIT": "1"}
+    r = subprocess.run(
+        ["bash", "benchmarks/h200_curve.sh", "equals", "a=lr=1e-3"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert r.returncode == 3, r.stderr
+    assert "300 tok/s" in r.stdout and "still regenerating" in r.stdout  # the report came first
+    assert (tmp_path / "out" / "regenall.log").exists()
