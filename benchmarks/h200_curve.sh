@@ -7,6 +7,8 @@
 #   or, after `stage`: [CURVE_SECONDS=1500] bash benchmarks/h200_curve.sh long RECIPE, then `finish` until done
 #                      (one long run: how far more training goes)
 #   call 4: bash benchmarks/h200_curve.sh rest NAME (returns what call 3 could not carry and NAME's equal draft)
+#   or, warm:          [WAIT_SECONDS=560] bash benchmarks/h200_curve.sh waitruns [NAME]  (waits for runs that outlast
+#                      their call, e.g. `equals`; returns NAME's equal draft, default the best one's)
 #   or, after `stage`: [CURVE_TOKENS=45e6] bash benchmarks/h200_curve.sh one RECIPE  (one run, all in one call)
 #   or, after `stage`: [BATCH_TOKENS=8192] bash benchmarks/h200_curve.sh equal RECIPE  (the equal-data peer run)
 #   or, after `stage`: bash benchmarks/h200_curve.sh equals "A=RECIPE B=RECIPE"  (equal-data recipes side by side;
@@ -200,6 +202,12 @@ finish)  # waits for the runs (at most 560 s per call: call again while they tra
   need $H/deadline "\`stage\`, then \`start\`, \`long\` or \`reuse\`"
   END=$(( $(cat $H/deadline) + 30 )); CAP=$(( $(date +%s) + 560 )); [ $END -gt $CAP ] && END=$CAP
   lc --out $RET --phase wait --wait-until $END --return best
+  send ;;
+waitruns)  # warm, after `equals` (or any call that started runs) whose runs outlast it: wait up to WAIT_SECONDS
+  # (560) for them to end, then return NAME's equal draft (default: the best equal run's) and the runs' logs
+  need $RET "\`stage\`, then the call that started the runs"
+  lc --out $RET --phase wait --wait-until $(( $(date +%s) + ${WAIT_SECONDS:-560} )) --return ${2:-best-equal} 2>&1 \
+    | grep -v "it/s]" | tail -40
   send ;;
 rest)
   need $RET "\`stage\`, then the call that started the runs"

@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("call", ["waitdata", "same", "finish", "rest", "equals"])
+@pytest.mark.parametrize("call", ["waitdata", "same", "finish", "rest", "waitruns", "equals"])
 def test_curve_script_fails_fast_on_a_fresh_machine(tmp_path, call):
     env = {**os.environ, "H200_HOME": str(tmp_path), "OUT": str(tmp_path / "out"), "WAIT_SECONDS": "300"}
     t0 = time.monotonic()
