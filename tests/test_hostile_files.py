@@ -157,6 +157,10 @@ def test_run_refuses_a_foreign_stage_folder(chat, target, tmp_path, capsys):
     before = foreign_folder(run_dir / "data")
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"target: {target}\ninputs: [{chat}]\nrun_dir: {run_dir}\ndata:\n  workers: 1\n")
+    refused(["run", str(cfg)], capsys, f"run_dir {run_dir} is not empty and was not written by nestling", "run_dir")
+    assert snapshot(run_dir / "data") == before and sorted(p.name for p in run_dir.iterdir()) == ["data"]
+    # inside a run folder of nestling's own, the stage folder is still checked on its own
+    (run_dir / "run.json").write_text("{}")
     refused(
         ["run", str(cfg)],
         capsys,
@@ -164,6 +168,22 @@ def test_run_refuses_a_foreign_stage_folder(chat, target, tmp_path, capsys):
         "set run_dir to a new folder",
     )
     assert snapshot(run_dir / "data") == before
+
+
+def test_run_refuses_a_foreign_run_dir_before_writing_anything(chat, target, tmp_path, capsys):
+    """`run_dir: .` in a project folder, or the home folder: its own run.json-less files, a lock-named file
+    and a state/ folder stay as they were (the run folder was once taken, emptied and rewritten)."""
+    run_dir = tmp_path / "project"
+    before = foreign_folder(run_dir)
+    (run_dir / ".lock").write_text("my lock file\n")
+    (run_dir / "state").mkdir()
+    (run_dir / "state" / "data.json").write_text('{"mine": true}\n')
+    before = snapshot(run_dir)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"target: {target}\ninputs: [{chat}]\nrun_dir: {run_dir}\ndata:\n  workers: 1\n  held_out: 0.5\n")
+    refused(["run", str(cfg)], capsys, f"run_dir {run_dir} is not empty and was not written by nestling")
+    refused(["run", str(cfg), "--dry-run"], capsys, f"run_dir {run_dir} is not empty")
+    assert snapshot(run_dir) == before
 
 
 # ---- --out is never an input, inside one, or above one ------------------------------------------

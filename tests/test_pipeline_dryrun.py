@@ -97,3 +97,12 @@ def test_doctor_runs_every_stage_for_real(tmp_path, capsys, monkeypatch):
     draft = json.loads((tmp_path / "run" / "dry-run" / "export" / "config.json").read_text())
     assert draft["architectures"] == ["LlamaForCausalLMEagle3"]
     assert "full run" in out and "total" in out
+
+
+def test_doctor_keeps_a_users_scratch_folder(tmp_path, capsys):
+    """`nestling doctor --scratch .` in a folder of the user's: its conversations.json is not replaced."""
+    mine = tmp_path / "conversations.json"
+    mine.write_text('[{"my": "data"}]')
+    rc, out = nestling(capsys, "doctor", "--scratch", tmp_path)
+    assert rc == 1 and "[FAIL] dry run" in out and "is not empty and was not written by nestling" in out
+    assert mine.read_text() == '[{"my": "data"}]' and sorted(p.name for p in tmp_path.iterdir()) == [mine.name]

@@ -63,3 +63,21 @@ def test_kill_then_resume_equals_straight_run(capture, tmp_path):
         for i in pa["state"]:
             for name, v in pa["state"][i].items():
                 assert torch.equal(v, pb["state"][i][name]), (part, i, name)
+
+
+def test_resume_from_an_older_checkpoint_keeps_the_newer_ones(capture, tmp_path, capsys):
+    """Rotation keeps the highest steps: continuing from step 4 where step 8 exists would delete every new
+    checkpoint as it is written, then replace step 8; refused, nothing touched."""
+    from nestling.cli import main
+
+    out = tmp_path / "run"
+    args = [a if a != "12" else "8" for a in ARGS]
+    assert main(["train", str(capture), "--out", str(out), *args]) == 0
+    root = out / "checkpoints"
+    before = {p.name: (p / "state.json").read_bytes() for p in root.iterdir()}
+    assert sorted(before) == ["step-00000004", "step-00000008"]
+    (out / "manifest.json").unlink()  # as if killed after step 8's checkpoint
+    capsys.readouterr()
+    assert main(["train", str(capture), "--out", str(out), *args, "--resume-from", str(root / "step-00000004")]) == 1
+    assert "holds checkpoints newer than" in capsys.readouterr().err
+    assert {p.name: (p / "state.json").read_bytes() for p in root.iterdir()} == before

@@ -65,6 +65,7 @@ OWNS: dict[str, tuple[str, ...]] = {
     ),
     "export": ("config.json", "model.safetensors", ".export-build-*"),
     "eval": ("report.json", ".report.json.*.tmp", "report.md", "acceptance.png"),
+    "doctor": ("conversations.json",),  # `nestling doctor --scratch DIR`: its dry run's input
     # the run folder's own files (its stage folders are each their stage's); the dry run's scratch too
     "run": (
         RUN_FILE,

@@ -150,6 +150,10 @@ def doctor(dry_run: bool = True, scratch: Path | None = None) -> int:
 
 def doctor_dry_run(scratch: Path | None = None) -> dict:
     """The real dry run on a tiny Llama target from the cache and the built-in conversations."""
+    from nestling.outdir import check_ours, mark
+
+    if scratch:  # a folder the user named: only an empty one or doctor's own (its conversations.json is ours)
+        check_ours(Path(scratch), "doctor", flag="--scratch")
     from nestling.assets import cache_dir, smollm2_dir
     from nestling.pipeline.dryrun import dry_run
     from nestling.pipeline.settings import load_run_config
@@ -159,6 +163,7 @@ def doctor_dry_run(scratch: Path | None = None) -> dict:
     target = build_tiny_target("llama", cache_dir() / "tiny" / "doctor-llama", tokenizer_dir=smollm2_dir())
     scratch = Path(scratch) if scratch else cache_dir() / "doctor"
     scratch.mkdir(parents=True, exist_ok=True)
+    mark(scratch, "doctor")
     chat = scratch / "conversations.json"
     chat.write_text(json.dumps(CONVERSATIONS))
     config = load_run_config(

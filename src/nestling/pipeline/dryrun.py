@@ -20,7 +20,7 @@ from nestling.errors import NestlingError
 from nestling.manifest import MANIFEST, atomic_write_json
 from nestling.outdir import free_bytes, mark
 from nestling.pipeline.settings import RunConfig
-from nestling.pipeline.run import clear_run, enabled_stages, resolve_paths, run_config
+from nestling.pipeline.run import claim_run_dir, clear_run, enabled_stages, resolve_paths, run_config
 from nestling.pipeline.stages import STAGES, Stage, train_mode
 from nestling.pipeline.state import read_progress, read_state
 from nestling.progress import format_bytes, format_duration, log
@@ -247,6 +247,8 @@ def dry_run(config: RunConfig, *, stages: Sequence[Stage] = STAGES, scratch: Pat
     if mode_note:
         log(f"[dry-run] the full run trains {mode_note}")
     real_run_dir = Path(config.run_dir)
+    if not scratch:  # the scratch lies in the run folder: claim it first, as the run itself would
+        claim_run_dir(real_run_dir)
     scratch = Path(scratch) if scratch else real_run_dir / SCRATCH
     clear_run(scratch, stages)  # measured from scratch every time: a cached stage measures nothing
     active = enabled_stages(config, stages)

@@ -200,7 +200,7 @@ def run_config(
         header=header,
         mode_note=mode_note,
     )
-    run_dir.mkdir(parents=True, exist_ok=True)
+    claim_run_dir(run_dir)
     with run_lock(run_dir):
         return _run(plan, after_stage)
 
@@ -225,6 +225,14 @@ class RunPlan:
     @property
     def names(self) -> list[str]:
         return [s.name for s in self.active]
+
+
+def claim_run_dir(run_dir: Path) -> None:
+    """The run folder is checked like a stage's --out before anything is written into it (its lock,
+    run.json, state/): new, empty or a run folder; a folder of someone else's files is refused."""
+    check_ours(run_dir, "run", flag="run_dir", fix="set run_dir to a new or empty folder (e.g. runs/NAME)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    mark(run_dir, "run")
 
 
 @contextmanager

@@ -139,6 +139,14 @@ def resume_point(out: Path, resume: bool | str | Path) -> Path | None:
     )
     if start is None:
         log(f"[train] --resume: no checkpoint in {root}; starting from step 0")
+        return None
+    newer = [c.name for c in cks if c.name > start.name]
+    if newer:  # rotation keeps the highest steps: the run's own new checkpoints would be deleted, step
+        # `newer[0]` replaced, and a later --resume would continue from the stale one
+        raise NestlingError(
+            f"{out} holds checkpoints newer than {start} ({', '.join(newer)}); continuing from {start.name} there "
+            f"would delete or replace them. Resume into a fresh --out, or move the newer checkpoints away first."
+        )
     return start
 
 
