@@ -170,6 +170,21 @@ def test_run_refuses_a_foreign_stage_folder(chat, target, tmp_path, capsys):
     assert snapshot(run_dir / "data") == before
 
 
+def test_run_keeps_a_stage_folder_the_user_filled_after_an_earlier_run(chat, target, tmp_path, capsys):
+    """The run's state says data ran here, but the unmarked data folder now holds the user's files (one named
+    like a shard): --force data must refuse, not take the folder back and delete the shard-named file."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text("{}")
+    (run_dir / "state").mkdir()
+    (run_dir / "state" / "data.json").write_text('{"stage": "data", "status": "complete"}')
+    before = foreign_folder(run_dir / "data")
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"target: {target}\ninputs: [{chat}]\nrun_dir: {run_dir}\ndata:\n  workers: 1\n  held_out: 0.5\n")
+    refused(["run", str(cfg), "--force", "data"], capsys, f"the data folder of run_dir {run_dir / 'data'} is not empty")
+    assert snapshot(run_dir / "data") == before
+
+
 def test_run_refuses_a_foreign_run_dir_before_writing_anything(chat, target, tmp_path, capsys):
     """`run_dir: .` in a project folder, or the home folder: its own run.json-less files, a lock-named file
     and a state/ folder stay as they were (the run folder was once taken, emptied and rewritten)."""
