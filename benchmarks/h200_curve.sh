@@ -203,14 +203,12 @@ finish)  # waits for the runs (at most 560 s per call: call again while they tra
   END=$(( $(cat $H/deadline) + 30 )); CAP=$(( $(date +%s) + 560 )); [ $END -gt $CAP ] && END=$CAP
   lc --out $RET --phase wait --wait-until $END --return best
   send ;;
-waitruns)  # warm, after `equals` (or any call that started runs) whose runs outlast it: wait up to WAIT_SECONDS
-  # (560) for them to end, then return NAME's equal draft (default: the best equal run's) and the runs' logs
+waitruns|rest)  # warm, after a call that started runs: `waitruns [NAME]` first waits up to WAIT_SECONDS (560)
+  # for runs that outlast it, `rest NAME` does not wait; both return NAME's equal draft (waitruns: by default
+  # the best equal run's), the runs' logs and what earlier calls could not carry
   need $RET "\`stage\`, then the call that started the runs"
-  lc --out $RET --phase wait --wait-until $(( $(date +%s) + ${WAIT_SECONDS:-560} )) --return ${2:-best-equal} 2>&1 \
-    | grep -v "it/s]" | tail -40
-  send ;;
-rest)
-  need $RET "\`stage\`, then the call that started the runs"
-  lc --out $RET --phase wait --wait-until 0 --return "$2" >/dev/null
+  WAIT=${WAIT_SECONDS:-560}; [ "$1" = rest ] && WAIT=0
+  lc --out $RET --phase wait --wait-until $(( $(date +%s) + WAIT )) --return ${2:-best-equal} 2>&1 \
+    | grep -v "it/s]" | tail -40 || true  # a run's own failure shows in runs.log; what is there still goes back
   send ;;
 esac
