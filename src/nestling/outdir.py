@@ -15,6 +15,7 @@ See docs/safety.md for the guarantees this gives the user.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import shutil
@@ -206,13 +207,24 @@ def claim(out: str | Path, stage: str, inputs: Inputs = ()) -> Iterator[Path]:
 # ---- deleting only what a stage wrote ------------------------------------------------------------
 
 
+def _patterns(stage: str, patterns: tuple[str, ...] | None) -> tuple[str, ...]:
+    return COMMON + (OWNS.get(stage, ()) if patterns is None else tuple(patterns))
+
+
 def owned(folder: Path, stage: str, patterns: tuple[str, ...] | None = None) -> list[Path]:
     """The paths in `folder` that `stage` wrote: none unless the folder is the stage's."""
     folder = Path(folder)
     if not folder.is_dir() or owner(folder) != stage:
         return []
-    pats = COMMON + (OWNS.get(stage, ()) if patterns is None else tuple(patterns))
-    return sorted({p for pat in pats for p in folder.glob(pat)})
+    return sorted({p for pat in _patterns(stage, patterns) for p in folder.glob(pat)})
+
+
+def only_stage_names(folder: Path, stage: str, patterns: tuple[str, ...] | None = None) -> bool:
+    """Every file in `folder` has a name `stage` writes (a file inside an owned subfolder counts): an
+    unmarked folder may be taken back as the stage's only then."""
+    pats = _patterns(stage, patterns)
+    rel = [f.relative_to(folder).as_posix() for f in Path(folder).rglob("*") if f.is_file()]
+    return all(any(fnmatch.fnmatch(r, pat) for pat in pats) for r in rel)
 
 
 def remove_owned(

@@ -12,7 +12,6 @@ input files, eval prompts) and of the previous stage's key. So:
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import time
 from contextlib import contextmanager
@@ -23,7 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 from nestling.config import to_dict
 from nestling.errors import NestlingError
 from nestling.manifest import FORMAT_VERSION, atomic_write_json, hash_bytes, hash_files, hash_json
-from nestling.outdir import COMMON, OWNS, RUN_FILE, check_apart, check_ours, lock, mark, owner, remove_owned
+from nestling.outdir import RUN_FILE, check_apart, check_ours, lock, mark, only_stage_names, owner, remove_owned
 from nestling.pipeline.settings import RunConfig, load_run_config, resolve_builtin
 from nestling.pipeline.stages import STAGES, Stage, StageContext, train_mode
 from nestling.pipeline.state import (
@@ -112,18 +111,12 @@ def clear_stage(run_dir: Path, stage: Stage) -> None:
     """Delete what `stage` wrote in its folder of `run_dir` (only that: see outdir.py). A folder this run
     ran the stage in (it has a state file) is the stage's even when an older nestling left no marker."""
     out = run_dir / stage.name
-    if out.is_dir() and read_state(run_dir, stage.name) is not None and owner(out) is None and only_owned(out, stage):
-        mark(out, stage.name)
+    # (a folder the user filled or replaced since keeps its files: clearing it is then refused)
+    if out.is_dir() and read_state(run_dir, stage.name) is not None and owner(out) is None:
+        if only_stage_names(out, stage.name, stage.owns):
+            mark(out, stage.name)
     remove_owned(out, stage.name, stage.owns, flag=f"the {stage.name} folder of run_dir", fix=FOREIGN_FIX)
     progress_path(run_dir, stage.name).unlink(missing_ok=True)
-
-
-def only_owned(out: Path, stage: Stage) -> bool:
-    """Every file in `out` has a name the stage writes: an unmarked folder may be taken back as the stage's
-    only then (a folder the user filled or replaced since keeps its files, and clearing it is refused)."""
-    pats = COMMON + tuple(stage.owns or OWNS.get(stage.name, ()))
-    rel = [f.relative_to(out).as_posix() for f in out.rglob("*") if f.is_file()]
-    return all(any(fnmatch.fnmatch(r, pat) for pat in pats) for r in rel)
 
 
 def clear_run(run_dir: Path, stages: Sequence[Stage]) -> None:
