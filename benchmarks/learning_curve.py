@@ -725,13 +725,7 @@ def wait_runs(b: Bench) -> None:
 
 def give_back(b: Bench, name: str, w: Path | None = None, out: Path | None = None) -> None:
     w, out = w or b.w, out or b.out
-    exp = w / f"export-{name}"
-    subprocess.run(
-        f"cd {w} && tar cf {out}/draft.tar {exp.name} && cd {out} && split -b 15M -d draft.tar "
-        f"draft-{name}.tar. && rm draft.tar",
-        shell=True,
-        check=True,
-    )
+    quality.pack_draft(w, f"export-{name}", out, f"draft-{name}.tar.")
     if hasattr(b, "res"):
         b.res["returned"] = name
         b.save()

@@ -61,6 +61,23 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     return name, parse_kv(kv)
 
 
+def pack_draft(work: Path, export: str, out: Path, prefix: str, part_bytes: int = 15 << 20) -> list[Path]:
+    """`work/export` as a tar in parts of `part_bytes` (`prefix`00, 01, ...) under `out`, for the device
+    tool's 16 MiB files; rejoin with `cat PREFIX* > draft.tar`. No shell: the folders are users' paths."""
+    import tarfile
+
+    tar = out / f"{prefix}partial"
+    with tarfile.open(tar, "w") as t:
+        t.add(work / export, arcname=export)
+    parts = []
+    with open(tar, "rb") as f:
+        while chunk := f.read(part_bytes):
+            parts.append(out / f"{prefix}{len(parts):02d}")
+            parts[-1].write_bytes(chunk)
+    tar.unlink()
+    return parts
+
+
 def split_sharegpt(
     out: Path, n_heldout: int, n_train: int | None, source: Path | None = None
 ) -> tuple[Path, Path, int]:

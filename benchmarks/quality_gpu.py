@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -230,12 +229,7 @@ def main() -> None:
             run_variant(name, {**res["variants"][best]["settings"], **over})
     ret = best if args.ret == "best" else args.ret
     if ret:
-        subprocess.run(
-            f"cd {w} && tar cf {out}/draft.tar export-{ret} && cd {out} && split -b 15M -d draft.tar "
-            f"draft.tar. && rm draft.tar",
-            shell=True,
-            check=True,
-        )
+        quality.pack_draft(w, f"export-{ret}", out, "draft.tar.")
         res["returned"] = ret
     res["total_seconds"] = round(time.monotonic() - t_all, 1)
     save()

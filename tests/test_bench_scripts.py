@@ -42,3 +42,30 @@ def test_equals_waits_for_a_running_regeneration_before_setting_up(tmp_path):
     assert r.returncode == 3, r.stderr
     assert "300 tok/s" in r.stdout and "still regenerating" in r.stdout  # the report came first
     assert (tmp_path / "out" / "regenall.log").exists()
+
+
+def test_pack_draft_runs_no_shell_on_a_hostile_work_path(tmp_path, monkeypatch):
+    """Benchmarks return drafts as tar parts; the work folder is a user's --work path, so a name with shell
+    syntax in it must stay a name (it once went through `shell=True` unquoted). Parts rejoin to the folder."""
+    import sys
+    import tarfile
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    sys.modules.pop("quality", None)
+    import quality
+
+    work = tmp_path / "w; touch PWNED #"
+    (work / "export-a").mkdir(parents=True)
+    payload = os.urandom(5000)
+    (work / "export-a" / "model.safetensors").write_bytes(payload)
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.chdir(tmp_path)
+    parts = quality.pack_draft(work, "export-a", out, "draft-a.tar.", part_bytes=4096)
+    assert [p.name for p in parts] == ["draft-a.tar.00", "draft-a.tar.01", "draft-a.tar.02"]
+    assert not list(tmp_path.rglob("PWNED")) and sorted(p.name for p in out.iterdir()) == [p.name for p in parts]
+    joined = tmp_path / "joined.tar"
+    joined.write_bytes(b"".join(p.read_bytes() for p in parts))
+    with tarfile.open(joined) as t:
+        t.extractall(tmp_path / "back", filter="data")
+    assert (tmp_path / "back" / "export-a" / "model.safetensors").read_bytes() == payload
