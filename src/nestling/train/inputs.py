@@ -147,9 +147,11 @@ def supervised_token_counts(inp: Inputs, vocab_size: int) -> torch.Tensor:
     return count_tokens(batches(), vocab_size)
 
 
-def make_vocab(inp: Inputs, s: TrainSettings, out: Path, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t, t2d): a given file, the one a resumed run saved in `out`, or the most frequent supervised
-    tokens; checked against the target and the settings, so a draft never trains on another vocabulary."""
+def make_vocab(inp: Inputs, s: TrainSettings, out: Path, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(d2t, t2d, coverage): a given file, the one a resumed run saved in `out`, or the most frequent
+    supervised tokens; checked against the target and the settings, so a draft never trains on another
+    vocabulary. `coverage` is the share of the training split's supervised tokens inside it: a token
+    outside is never drafted, so it caps acceptance (docs/train.md, "Draft vocabulary")."""
     counts = supervised_token_counts(inp, vocab_size)
     if counts.sum() == 0:
         raise NestlingError(
@@ -178,4 +180,4 @@ def make_vocab(inp: Inputs, s: TrainSettings, out: Path, vocab_size: int) -> tup
             f"vocabulary {where} has {ids.numel()} tokens, the settings ask for draft_vocab_size "
             f"{s.draft_vocab_size}: use a fresh --out folder or the matching setting"
         )
-    return d2t, t2d
+    return d2t, t2d, float(counts[t2d].sum()) / float(counts.sum())

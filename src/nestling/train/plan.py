@@ -96,13 +96,14 @@ class Plan:
     lr: float
     lr_why: str
     key: str
+    vocab_coverage: float  # share of the training split's supervised tokens in the draft vocabulary
 
 
 def plan_run(inp: Inputs, s: TrainSettings, out: Path, d: dist.Dist, device: torch.device) -> Plan:
     """The vocabulary, the draft's config, the number of steps and the lr: everything the key covers."""
     text = getattr(inp.hf_config, "text_config", None) or inp.hf_config
     V, H = int(text.vocab_size), int(text.hidden_size)
-    d2t, t2d = make_vocab(inp, s, out, V)
+    d2t, t2d, coverage = make_vocab(inp, s, out, V)
     cfg = DraftConfig.from_target(
         inp.hf_config,
         int(d2t.numel()),
@@ -119,4 +120,4 @@ def plan_run(inp: Inputs, s: TrainSettings, out: Path, d: dist.Dist, device: tor
     total = s.steps if s.steps is not None else max(1, math.ceil(s.epochs * train_stream.per_epoch() / G))
     lr, lr_why = resolve_lr(s, H, total)
     key = _config_key(cfg, d2t, inp, s, total, d.world, device, lr)
-    return Plan(cfg, d2t, t2d, V, H, G, train_stream, total, lr, lr_why, key)
+    return Plan(cfg, d2t, t2d, V, H, G, train_stream, total, lr, lr_why, key, coverage)
