@@ -245,6 +245,7 @@ def measure(
                     "num_drafts": r.get("num_drafts"),
                     "num_accepted_tokens": r.get("num_accepted_tokens"),
                     "tokens": r.get("tokens"),
+                    "draftable_share": r.get("draftable_share"),
                 }
             )
         if ngram:

@@ -195,9 +195,29 @@ def test_eval_reference_report(tiny, draft_dir, tmp_path):
     assert r["identical_share"] == 1.0  # greedy fp32: same as the target alone
     assert r["acceptance_length"] == pytest.approx(1 + r["num_accepted_tokens"] / r["num_drafts"])
     assert len(r["per_position"]) == 2
+    # the share of generated tokens the draft could ever propose (its 64-token vocabulary)
+    from safetensors.torch import load_file
+
+    t2d = load_file(str(draft_dir / "model.safetensors"))["t2d"]
+    tokens = [t for o in r["outputs"] for t in o]
+    inside = sum(bool(t2d[t]) for t in tokens) / len(tokens)
+    assert r["draftable_share"] == inside and r["num_accepted_tokens"] <= inside * len(tokens)
+    assert f"| {100 * inside:.1f}% |" in (tmp_path / "e" / "report.md").read_text()
     for f in ("report.json", "report.md", "acceptance.png", "manifest.json"):
         assert (tmp_path / "e" / f).exists()
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": 1}\n')
     with pytest.raises(NestlingError, match="bad.jsonl:1"):
         evaluate(draft_dir, tiny, bad, tmp_path / "e2", EvalSettings(max_new_tokens=4))
+
+
+def test_draftable_share_counts_the_draft_vocabulary(tiny, tmp_path):
+    """A folder with t2d: the share of tokens it marks; a whole-vocabulary draft (no t2d): every token."""
+    from nestling.evaluate.run import draftable_share
+
+    small = new_draft(tiny, AUX, draft_vocab_size=64, vocab_tokens=torch.arange(10, 74))
+    d = export(make_train_dir(small, tmp_path / "t"), tmp_path / "d", ExportSettings(dtype="float32"))
+    assert draftable_share(d, [[10, 11, 5], [73, 74]]) == 3 / 5
+    full = new_draft(tiny, AUX, draft_vocab_size=49152)
+    f = export(make_train_dir(full, tmp_path / "tf"), tmp_path / "f", ExportSettings(dtype="float32"))
+    assert draftable_share(f, [[10, 11, 5], [73, 74]]) == 1.0

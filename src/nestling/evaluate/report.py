@@ -11,16 +11,17 @@ def markdown(report: dict) -> str:
     rows = [
         "| engine | acceptance length | "
         + " | ".join(f"pos {i + 1}" for i in range(report["k"]))
-        + " | tok/s draft | tok/s target alone | speedup | greedy identical |",
-        "|---|---|" + "---|" * report["k"] + "---|---|---|---|",
+        + " | tok/s draft | tok/s target alone | speedup | greedy identical | in draft vocabulary |",
+        "|---|---|" + "---|" * report["k"] + "---|---|---|---|---|",
     ]
     for name, r in report["engines"].items():
         pos = " | ".join(f"{p:.3f}" for p in r["per_position"])
-        same = r.get("identical_share")
+        same, inside = r.get("identical_share"), r.get("draftable_share")
         rows.append(
             f"| {name} | {r['acceptance_length']:.3f} | {pos} | {r['tokens_per_s']:.1f} | "
             f"{r.get('baseline_tokens_per_s', float('nan')):.1f} | {r.get('speedup', float('nan')):.2f} | "
-            f"{'-' if same is None else f'{100 * same:.0f}%'} |"
+            f"{'-' if same is None else f'{100 * same:.0f}%'} | "
+            f"{'-' if inside is None else f'{100 * inside:.1f}%'} |"
         )
     head = (
         f"# nestling eval\n\ndraft `{report['draft']}` on target `{report['target']}`, k={report['k']}, "

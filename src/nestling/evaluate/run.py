@@ -117,6 +117,19 @@ def run_vllm_engine(target: Path, draft_dir: Path, prompts: list[list[int]], s: 
     return r
 
 
+def draftable_share(draft_dir: Path, outputs: list[list[int]]) -> float:
+    """The share of generated tokens inside the draft's vocabulary (`t2d`; a folder without one drafts the
+    whole vocabulary): a token outside is never drafted, so this bounds what any draft step could accept."""
+    from safetensors import safe_open
+
+    with safe_open(str(draft_dir / "model.safetensors"), "pt") as f:
+        if "t2d" not in f.keys():
+            return 1.0
+        t2d = f.get_tensor("t2d").bool()
+    tokens = [t for o in outputs for t in o]
+    return sum(bool(t2d[t]) for t in tokens) / max(1, len(tokens))
+
+
 def evaluate(
     draft_dir: str | Path,
     target: str | Path,
@@ -151,6 +164,7 @@ def _evaluate(draft_dir: Path, target_dir: Path, prompts: str | Path, out: Path,
     if s.engine in ("vllm", "both"):
         engines["vllm"] = run_vllm_engine(target_dir, draft_dir, ids, s)
     for name, r in engines.items():
+        r["draftable_share"] = draftable_share(draft_dir, r["outputs"])
         if not r.get("num_drafts"):
             raise NestlingError(
                 f"eval ({name}): nothing was drafted over {len(ids)} prompt(s), so there is no acceptance to report; "
@@ -172,7 +186,8 @@ def _evaluate(draft_dir: Path, target_dir: Path, prompts: str | Path, out: Path,
     for name, r in engines.items():
         log(
             f"[eval] {name}: acceptance length {r['acceptance_length']:.3f}, per position "
-            f"{', '.join(f'{p:.2f}' for p in r['per_position'])}, {r['tokens_per_s']:.1f} tok/s"
+            f"{', '.join(f'{p:.2f}' for p in r['per_position'])}, {r['tokens_per_s']:.1f} tok/s; "
+            f"{100 * r['draftable_share']:.1f}% of the generated tokens are in the draft vocabulary"
         )
     write_manifest(
         out,
