@@ -110,7 +110,7 @@ def test_lm_head_init_target_or_random(capture):
 
     s = TrainSettings(**TINY)
     inp = check_inputs(capture, s)
-    d2t, t2d, _ = make_vocab(inp, s, capture / "nowhere", 49152)
+    d2t, t2d = make_vocab(inp, s, capture / "nowhere", 49152)
     head = read_head(inp.target, 49152, 128)
     cfg = DraftConfig.from_target(inp.hf_config, 100, inp.aux_layer_ids)
     rows = head.lm_head[draft_ids_to_target(d2t)].float()

@@ -31,7 +31,7 @@ def _initial_draft(capture, s: TrainSettings):
     from nestling.train.build import build_draft
 
     inp = check_inputs(capture, s)
-    d2t, t2d, _ = make_vocab(inp, s, capture / "nowhere", 49152)
+    d2t, t2d = make_vocab(inp, s, capture / "nowhere", 49152)
     cfg = DraftConfig.from_target(inp.hf_config, 100, inp.aux_layer_ids)
     torch.manual_seed(s.seed)
     head = read_head(inp.target, 49152, 128)
@@ -208,20 +208,22 @@ def test_bad_recipe_settings(kw, match):
 def test_vocab_coverage_is_reported_and_a_small_vocabulary_gets_a_hint(capture, tmp_path, capsys):
     """A supervised token outside the draft vocabulary is never drafted (SmolLM2: 98% coverage cost ~0.06
     tokens per target forward in vLLM), so the run states the share covered and, under 99%, says what to do;
-    the figure is the count over the training split's supervised tokens."""
+    the share is counted on the held-out split (the training split's own tokens are all inside whenever it
+    shows fewer distinct tokens than the vocabulary holds)."""
     from nestling.train.inputs import check_inputs, supervised_token_counts
 
     s = TrainSettings(steps=1, eval_batches=0, **{**TINY, "draft_vocab_size": 20})
     m = train(capture, tmp_path / "small", s)
     err = capsys.readouterr().err
-    counts = supervised_token_counts(check_inputs(capture, s), 49152)
+    held = supervised_token_counts(check_inputs(capture, s), 49152, "heldout")
     t2d = load_file(str(tmp_path / "small" / "vocab.safetensors"))["t2d"]
-    want = float(counts[t2d].sum()) / float(counts.sum())
-    assert 0 < want < 0.99 and m["vocab_coverage"] == pytest.approx(want, abs=1e-6)
-    assert f"draft vocab 20 ({100 * want:.2f}% of the supervised tokens)" in err
+    want = float(held[t2d].sum()) / float(held.sum())
+    assert held.sum() > 0 and 0 < want < 0.99
+    assert m["vocab_coverage"] == {"share": pytest.approx(want, abs=1e-6), "split": "heldout"}
+    assert f"draft vocab 20 ({100 * want:.2f}% of the heldout split's supervised tokens)" in err
     assert "a token outside it is never drafted" in err and "up to 49152, the whole vocabulary" in err
     m = train(capture, tmp_path / "all", TrainSettings(steps=1, eval_batches=0, **{**TINY, "draft_vocab_size": 49152}))
-    assert m["vocab_coverage"] == 1.0 and "never drafted" not in capsys.readouterr().err
+    assert m["vocab_coverage"]["share"] == 1.0 and "never drafted" not in capsys.readouterr().err
 
 
 def test_full_vocabulary_copy_of_a_frozen_head_draft(capture, tmp_path, monkeypatch):

@@ -221,10 +221,11 @@ def heldout_split(data_dir: Path, target: Path, vocab_size: int, max_pos: int | 
     return TokenSplit([i for p in parts for i in p.sample_ids], ids, torch.cat([p.mask for p in parts]), starts)
 
 
-def supervised_ids(inp: "Inputs"):
-    """The supervised token ids of the training split (the vocabulary's counts), from the data shards."""
-    ts = inp.online.splits["train"]
-    yield ts.ids[ts.mask]
+def supervised_ids(inp: "Inputs", split: str = "train"):
+    """The supervised token ids of a split (the vocabulary's counts: train), from the data shards."""
+    ts = inp.online.splits.get(split)
+    if ts is not None:
+        yield ts.ids[ts.mask]
 
 
 def dataset(inp: "Inputs", split: str):

@@ -131,27 +131,38 @@ def check_inputs(capture_dir: Path, s: TrainSettings) -> Inputs:
 # ---- the draft vocabulary ------------------------------------------------------------------------------
 
 
-def supervised_token_counts(inp: Inputs, vocab_size: int) -> torch.Tensor:
-    """Histogram of the supervised (loss_mask) tokens of the training split, read shard by shard."""
+def supervised_token_counts(inp: Inputs, vocab_size: int, split: str = "train") -> torch.Tensor:
+    """Histogram of the supervised (loss_mask) tokens of a split, read shard by shard."""
     from safetensors import safe_open
 
     if inp.online is not None:
-        return count_tokens(features.supervised_ids(inp), vocab_size)
+        return count_tokens(features.supervised_ids(inp, split), vocab_size)
 
     def batches():
-        for shard in sorted({e["shard"] for e in inp.train_index}):
-            with safe_open(str(inp.capture_dir / "train" / shard), "pt") as f:
+        index = inp.train_index if split == "train" else inp.heldout_index
+        for shard in sorted({e["shard"] for e in index}):
+            with safe_open(str(inp.capture_dir / split / shard), "pt") as f:
                 ids, mask = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool()
             yield ids[mask]
 
     return count_tokens(batches(), vocab_size)
 
 
-def make_vocab(inp: Inputs, s: TrainSettings, out: Path, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(d2t, t2d, coverage): a given file, the one a resumed run saved in `out`, or the most frequent
-    supervised tokens; checked against the target and the settings, so a draft never trains on another
-    vocabulary. `coverage` is the share of the training split's supervised tokens inside it: a token
-    outside is never drafted, so it caps acceptance (docs/train.md, "Draft vocabulary")."""
+def vocab_coverage(inp: Inputs, t2d: torch.Tensor, vocab_size: int) -> tuple[float, str]:
+    """(share of supervised tokens inside the draft vocabulary, the split it was counted on): the held-out
+    split where it has supervised tokens, since the training split's own tokens are all inside whenever it
+    shows fewer distinct tokens than the vocabulary holds; else the training split. A token outside is
+    never drafted, so this caps acceptance (docs/train.md, "Draft vocabulary")."""
+    for split in ("heldout", "train"):
+        counts = supervised_token_counts(inp, vocab_size, split)
+        if counts.sum():
+            return float(counts[t2d].sum()) / float(counts.sum()), split
+    return 1.0, "train"  # make_vocab refused a training split without supervised tokens
+
+
+def make_vocab(inp: Inputs, s: TrainSettings, out: Path, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d): a given file, the one a resumed run saved in `out`, or the most frequent supervised
+    tokens; checked against the target and the settings, so a draft never trains on another vocabulary."""
     counts = supervised_token_counts(inp, vocab_size)
     if counts.sum() == 0:
         raise NestlingError(
@@ -180,4 +191,4 @@ def make_vocab(inp: Inputs, s: TrainSettings, out: Path, vocab_size: int) -> tup
             f"vocabulary {where} has {ids.numel()} tokens, the settings ask for draft_vocab_size "
             f"{s.draft_vocab_size}: use a fresh --out folder or the matching setting"
         )
-    return d2t, t2d, float(counts[t2d].sum()) / float(counts.sum())
+    return d2t, t2d

@@ -18,7 +18,7 @@ from nestling.draft.model import DraftConfig, without_off_norms
 from nestling.manifest import hash_bytes, hash_json
 from nestling.train import dist, features
 from nestling.train.data import Stream
-from nestling.train.inputs import Inputs, make_vocab
+from nestling.train.inputs import Inputs, make_vocab, vocab_coverage
 from nestling.train.settings import NORM_SETTING_PREFIX, TrainSettings, draft_norms, resolve_lr
 
 
@@ -96,14 +96,16 @@ class Plan:
     lr: float
     lr_why: str
     key: str
-    vocab_coverage: float  # share of the training split's supervised tokens in the draft vocabulary
+    vocab_coverage: float  # share of supervised tokens in the draft vocabulary (inputs.vocab_coverage)
+    vocab_coverage_split: str  # ... of this split: heldout where it has supervised tokens, else train
 
 
 def plan_run(inp: Inputs, s: TrainSettings, out: Path, d: dist.Dist, device: torch.device) -> Plan:
     """The vocabulary, the draft's config, the number of steps and the lr: everything the key covers."""
     text = getattr(inp.hf_config, "text_config", None) or inp.hf_config
     V, H = int(text.vocab_size), int(text.hidden_size)
-    d2t, t2d, coverage = make_vocab(inp, s, out, V)
+    d2t, t2d = make_vocab(inp, s, out, V)
+    coverage, split = vocab_coverage(inp, t2d, V)
     cfg = DraftConfig.from_target(
         inp.hf_config,
         int(d2t.numel()),
@@ -120,4 +122,4 @@ def plan_run(inp: Inputs, s: TrainSettings, out: Path, d: dist.Dist, device: tor
     total = s.steps if s.steps is not None else max(1, math.ceil(s.epochs * train_stream.per_epoch() / G))
     lr, lr_why = resolve_lr(s, H, total)
     key = _config_key(cfg, d2t, inp, s, total, d.world, device, lr)
-    return Plan(cfg, d2t, t2d, V, H, G, train_stream, total, lr, lr_why, key, coverage)
+    return Plan(cfg, d2t, t2d, V, H, G, train_stream, total, lr, lr_why, key, coverage, split)

@@ -159,7 +159,8 @@ def _announce(run: Run, inp: Inputs) -> None:
     log(
         f"[train] {len(inp.train_index)} samples, {plan.train_stream.per_epoch()} microbatches/epoch of <= "
         f"{s.batch_tokens} tokens; {plan.total} steps x {plan.microbatches} microbatches; K={s.ttt_steps}; draft vocab "
-        f"{plan.cfg.draft_vocab_size} ({100 * plan.vocab_coverage:.2f}% of the supervised tokens); "
+        f"{plan.cfg.draft_vocab_size} ({100 * plan.vocab_coverage:.2f}% of the {plan.vocab_coverage_split} "
+        "split's supervised tokens); "
         f"{sum(p.numel() for p in run.params):,} trainable params; {run.device} "
         f"{str(run.amp).split('.')[-1]}, attention {run.backend}, {d.world} rank(s)"
     )
@@ -171,8 +172,8 @@ def _announce(run: Run, inp: Inputs) -> None:
     )
     if plan.vocab_coverage < VOCAB_COVERAGE_HINT and plan.cfg.draft_vocab_size < plan.vocab_size:
         log(
-            f"[train] the draft vocabulary leaves {100 * (1 - plan.vocab_coverage):.1f}% of the training split's "
-            f"supervised tokens out, and held-out text more: a token outside it is never drafted. A larger "
+            f"[train] the draft vocabulary leaves {100 * (1 - plan.vocab_coverage):.1f}% of the "
+            f"{plan.vocab_coverage_split} split's supervised tokens out: a token outside it is never drafted. A larger "
             f"draft_vocab_size (up to {plan.vocab_size}, the whole vocabulary) raises acceptance at some cost "
             'per draft step (docs/train.md, "Draft vocabulary")'
         )
@@ -202,7 +203,7 @@ def _finish(run: Run, inp: Inputs, metrics: MetricsLog) -> dict:
             config_key=plan.key,
             lr=plan.lr,
             lr_reason=plan.lr_why,
-            vocab_coverage=round(plan.vocab_coverage, 6),
+            vocab_coverage={"share": round(plan.vocab_coverage, 6), "split": plan.vocab_coverage_split},
             target=str(inp.target),
             target_fingerprint=inp.target_fp,
             aux_layer_ids=inp.aux_layer_ids,
