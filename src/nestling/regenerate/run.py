@@ -247,7 +247,7 @@ def regenerate(
 
 
 def _regenerate(input: Path, target_dir: Path, out: Path, s: RegenerateSettings) -> dict:
-    from nestling.targets.load import load_config, load_tokenizer, target_fingerprint, tokenizer_fingerprint
+    from nestling.targets.load import load_config, load_tokenizer
 
     tokenizer = load_tokenizer(target_dir)
     if not getattr(tokenizer, "chat_template", None):
@@ -260,21 +260,49 @@ def _regenerate(input: Path, target_dir: Path, out: Path, s: RegenerateSettings)
         )
     cfg_len = getattr(load_config(target_dir), "max_position_embeddings", None) or 4096
     max_len = s.max_model_len or cfg_len
-    inputs = {
+    inputs = _inputs(input, target_dir, tokenizer)
+    fingerprint = hash_json({"inputs": inputs, "settings": {k: getattr(s, k) for k in OUTPUT_FIELDS}})
+    if (out / MANIFEST).exists():
+        return _finished(out, fingerprint)
+    state = _open_state(out, fingerprint)
+
+    records = list(read_records(input))
+    if s.limit:
+        records = records[: s.limit]
+    chunks = [records[i : i + s.chunk_size] for i in range(0, len(records), s.chunk_size)]
+    todo = chunks[state["chunks_done"] :]
+    if state["chunks_done"]:
+        log(f"[regenerate] resuming: {state['chunks_done']}/{len(chunks)} chunks already done")
+    start = time.monotonic()
+    if todo:
+        max_len = _run_chunks(todo, engine_name, target_dir, tokenizer, s, max_len, out, state)
+    return _write_manifest(out, s, engine_name, max_len, inputs, fingerprint, state, len(records), start, target_dir)
+
+
+def _inputs(input: Path, target_dir: Path, tokenizer) -> dict:
+    """What the output depends on besides the settings: the data file, the target and its tokenizer."""
+    from nestling.targets.load import target_fingerprint, tokenizer_fingerprint
+
+    return {
         "data": {"path": str(input.resolve()), "fingerprint": hash_file(input)},
         "target": target_fingerprint(target_dir),
         "tokenizer": tokenizer_fingerprint(tokenizer),
     }
-    fingerprint = hash_json({"inputs": inputs, "settings": {k: getattr(s, k) for k in OUTPUT_FIELDS}})
 
-    if (out / MANIFEST).exists():
-        manifest = json.loads((out / MANIFEST).read_text())
-        if manifest.get("fingerprint") == fingerprint:
-            log(f"[regenerate] {out} is already complete for these inputs and settings; nothing to do")
-            return manifest
-        raise NestlingError(
-            f"{out} holds a finished regeneration of other inputs or settings; use another --out or delete it"
-        )
+
+def _finished(out: Path, fingerprint: str) -> dict:
+    """A finished folder: its manifest when it is for these inputs and settings, else an error."""
+    manifest = json.loads((out / MANIFEST).read_text())
+    if manifest.get("fingerprint") == fingerprint:
+        log(f"[regenerate] {out} is already complete for these inputs and settings; nothing to do")
+        return manifest
+    raise NestlingError(
+        f"{out} holds a finished regeneration of other inputs or settings; use another --out or delete it"
+    )
+
+
+def _open_state(out: Path, fingerprint: str) -> dict:
+    """The resume state (a fresh one when there is none), the output files cut back to what it committed."""
     state_path = out / STATE
     state = json.loads(state_path.read_text()) if state_path.exists() else None
     if state and state.get("fingerprint") != fingerprint:
@@ -294,27 +322,29 @@ def _regenerate(input: Path, target_dir: Path, out: Path, s: RegenerateSettings)
     }
     for name in (MESSAGES, FAILED):
         _truncate(out / name, state["bytes"][name])
+    return state
 
-    records = list(read_records(input))
-    if s.limit:
-        records = records[: s.limit]
-    chunks = [records[i : i + s.chunk_size] for i in range(0, len(records), s.chunk_size)]
-    counts = Counter(state["counts"])
-    todo = chunks[state["chunks_done"] :]
-    if state["chunks_done"]:
-        log(f"[regenerate] resuming: {state['chunks_done']}/{len(chunks)} chunks already done")
 
-    engine = None
-    if todo:
-        engine = make_engine(engine_name, target_dir, s, max_len)
-        if engine.max_model_len and engine.max_model_len < max_len:
-            log(f"[regenerate] the engine allows {engine.max_model_len} tokens per sequence; using that limit")
-            max_len = engine.max_model_len
+def _run_chunks(
+    todo: list[list[Record]],
+    engine_name: str,
+    target_dir: Path,
+    tokenizer,
+    s: RegenerateSettings,
+    max_len: int,
+    out: Path,
+    state: dict,
+) -> int:
+    """Generate the chunks left, committing `state` after each; returns the sequence limit used."""
+    engine = make_engine(engine_name, target_dir, s, max_len)
+    if engine.max_model_len and engine.max_model_len < max_len:
+        log(f"[regenerate] the engine allows {engine.max_model_len} tokens per sequence; using that limit")
+        max_len = engine.max_model_len
     # Counted in turns, as answers come in (a chunk may be all of the input: conversations are only
     # counted when it is written); turns lost to a failed conversation are counted at its chunk's end.
     planned = [planned_turns(chunk, s) for chunk in todo]
     progress = Progress("regenerate", total=sum(planned), unit="turn")
-    start = time.monotonic()
+    counts = Counter(state["counts"])
     try:
         written = 0  # conversations of this run written so far
         for chunk, turns in zip(todo, planned):
@@ -328,19 +358,32 @@ def _regenerate(input: Path, target_dir: Path, out: Path, s: RegenerateSettings)
             for k in ("output_tokens", "turns", "truncated_turns"):
                 state[k] += getattr(res, k)
             state["seconds"] += time.monotonic() - t0
-            atomic_write_json(state_path, state)  # the commit: files up to these sizes are final
+            atomic_write_json(out / STATE, state)  # the commit: files up to these sizes are final
             written += len(chunk)
             progress.update(turns - (progress.done - before), conv=f"{written}/{sum(map(len, todo))}")
     finally:
-        if engine is not None:
-            engine.close()
-    if todo:
-        progress.close()
+        engine.close()
+    progress.close()
+    return max_len
 
-    summary = summarize(counts, s.n)
-    if summary["kept"] + sum(summary["failed"].values()) + sum(summary["skipped"].values()) != len(records) * s.n:
+
+def _write_manifest(
+    out: Path,
+    s: RegenerateSettings,
+    engine_name: str,
+    max_len: int,
+    inputs: dict,
+    fingerprint: str,
+    state: dict,
+    n_records: int,
+    start: float,
+    target_dir: Path,
+) -> dict:
+    """Check the accounting, write the manifest and the closing log line."""
+    summary = summarize(Counter(state["counts"]), s.n)
+    if summary["kept"] + sum(summary["failed"].values()) + sum(summary["skipped"].values()) != n_records * s.n:
         raise NestlingError(
-            f"internal accounting error: {summary['read']} records accounted, {len(records)} read (x {s.n} samples)"
+            f"internal accounting error: {summary['read']} records accounted, {n_records} read (x {s.n} samples)"
         )
     secs = max(state["seconds"], 1e-9)
     cap_share = state["truncated_turns"] / max(1, state["turns"])
@@ -360,7 +403,7 @@ def _regenerate(input: Path, target_dir: Path, out: Path, s: RegenerateSettings)
             "truncated_turns": state["truncated_turns"],
             "truncated_share": round(cap_share, 4),
             "seconds": round(state["seconds"], 3),
-            "conversations_per_s": round(len(records) / secs, 4),
+            "conversations_per_s": round(n_records / secs, 4),
             "output_tokens_per_s": round(state["output_tokens"] / secs, 2),
         },
     )
