@@ -122,11 +122,29 @@ def test_fast_groups_fit_the_cache():
     (short, n1, len1), (long, n2, len2) = groups
     assert short == [0, 1, 3] and n1 == 4 and len1 == 512  # slots in powers of two (decoders are reused)
     assert long == [2, 4] and len2 == 16384 and n2 == 1  # too long for the cache at 4 slots: one slot
+    # few requests, one of them long: one cache holds them all at once, so one run (not two in a row)
+    assert fast_groups([100, 300, 1500, 250], slots=8, cache_tokens=8192) == [([0, 1, 2, 3], 4, 2048)]
+    assert len(fast_groups([100, 300, 1500, 250, 90], slots=8, cache_tokens=8192)) == 2  # 5 > 8192 // 2048
     kv = 2 * 30 * 3 * 64 * 2  # SmolLM2 in bf16
     slots, tokens = fast_limits(RegenerateSettings(), True, kv, 130 * 10**9)  # an idle H200 after the weights
     assert slots == 1024 and 3_000_000 < tokens < 3_200_000  # 55% of the free memory
     assert fast_limits(RegenerateSettings(), False, kv, 0) == (8, 262144)
     assert fast_limits(RegenerateSettings(hf_batch_size=5, hf_batch_tokens=77), True, kv, 10**11) == (5, 77)
+
+
+def test_one_run_for_few_requests_with_a_long_one_equals_generate(tiny_target):
+    """The merged group (fast_groups' first rule) through the real decoder: 3 short prompts and one long
+    in 8 slots and 2,048 cache tokens, where the split would run the short ones in 256-token slots, then
+    the long one: one decoder of 4 slots x 512 tokens instead."""
+    engine = HFEngine(tiny_target("llama"), RegenerateSettings(engine="hf", max_new_tokens=6))
+    engine.slots, engine.cache_tokens = 8, 2048
+    g = torch.Generator().manual_seed(1)
+    lens = [7, 300, 12, 3]
+    reqs = [Request(torch.randint(3, 40000, (n,), generator=g).tolist(), 6, 0) for n in lens]
+    assert fast_groups([n + 6 for n in lens], 8, 2048) == [([0, 1, 2, 3], 4, 512)]
+    _assert_equals_generate(engine, reqs)
+    assert (engine.decoder.sm.slots, engine.decoder.sm.length) == (4, 512)
+    engine.close()
 
 
 def test_unsupported_target_falls_back_to_generate_with_a_log_line(tiny_target, capsys):

@@ -96,7 +96,15 @@ def fast_groups(needs: list[int], slots: int, cache_tokens: int) -> list[tuple[l
     """Requests split into at most two runs, (indices, slots, cache length) each: those that fit the
     cache at full slot count, then the longer ones with fewer slots (the cache is slots x length).
     Slots and lengths are powers of two, so successive calls (turns) mostly reuse one decoder and
-    its CUDA graphs instead of capturing new ones."""
+    its CUDA graphs instead of capturing new ones.
+
+    When one cache at the longest need gives every request a slot at once, they run as one group:
+    a run lasts as long as its slowest answer, so two runs one after the other cost two of those.
+    That is the tail of a multi-turn regeneration (a few hundred conversations, long histories)."""
+    whole = cache_length(max(needs, default=1))
+    together = slot_count(len(needs), slots, cache_tokens, whole)
+    if together >= len(needs):
+        return [(list(range(len(needs))), together, whole)] if needs else []
     short_len = short_length(slots, cache_tokens)
     parts = [[i for i, n in enumerate(needs) if n <= short_len], [i for i, n in enumerate(needs) if n > short_len]]
     out = []
