@@ -207,18 +207,7 @@ def _capture(data_dir: Path, target_dir: Path, out: Path, settings: CaptureSetti
         result["compute_dtype"] = compute_dtype(settings)
     run_key = hash_json({"inputs": inputs, "result": result, "format": 1})
 
-    plans: dict[str, list[ShardPlan]] = {}
-    todo: dict[str, list[ShardPlan]] = {}
-    for split, samples in splits.items():
-        sdir = out / split
-        sdir.mkdir(parents=True, exist_ok=True)
-        plans[split] = plan_shards(samples, bpt, parse_size(settings.shard_size), run_key)
-        for stale in sdir.glob(".shard-*.tmp"):
-            stale.unlink()  # the shard in flight when a previous run died
-        for f in sdir.glob("shard-*.safetensors"):
-            if int(f.name[6:11]) >= len(plans[split]):
-                f.unlink()
-        todo[split] = [p for p in plans[split] if shard_key(sdir / shard_name(p.index)) != p.key]
+    plans, todo = _plan_shards(splits, out, bpt, parse_size(settings.shard_size), run_key)
 
     if (out / MANIFEST).exists():
         old = read_manifest(out, "capture")
@@ -228,23 +217,9 @@ def _capture(data_dir: Path, target_dir: Path, out: Path, settings: CaptureSetti
         log(f"[capture] {out} holds an incomplete capture or one of other inputs or settings; redoing what differs")
         (out / MANIFEST).unlink()
 
-    n_tok = sum(len(s.input_ids) for ss in splits.values() for s in ss)
     todo_tok = sum(p.tokens for ps in todo.values() for p in ps)
-    need, free = todo_tok * bpt, outdir.free_bytes(out)
-    log(
-        f"[capture] layers {layer_ids} of {L}, {settings.dtype}, hidden {hidden_size}: {format_bytes(bpt)}/token; "
-        f"{n_tok:,} tokens in {', '.join(f'{k} {len(v)}' for k, v in splits.items())} samples = {format_bytes(n_tok * bpt)}; "
-        f"to write now {format_bytes(need)} ({todo_tok:,} tokens), free on {out}: {format_bytes(free)}"
-    )
-    if need > free:
-        msg = (
-            f"not enough disk space for the capture: it needs {format_bytes(need)} but {out} has {format_bytes(free)} free. "
-            f"Free space, point --out at a larger disk, capture fewer samples or layers, or pass --ignore-disk-check."
-        )
-        if not settings.ignore_disk_check:
-            raise NestlingError(msg)
-        log(f"[capture] warning: {msg} (continuing: --ignore-disk-check)")
-
+    head = f"[capture] layers {layer_ids} of {L}, {settings.dtype}, hidden {hidden_size}: {format_bytes(bpt)}/token"
+    _check_disk(head, splits, todo_tok, bpt, out, settings.ignore_disk_check)
     if todo_tok:
         _run(todo, target_dir, layer_ids, hidden_size, dtype, out, settings, run_key)
     stats = {}
@@ -277,6 +252,46 @@ def _capture(data_dir: Path, target_dir: Path, out: Path, settings: CaptureSetti
         data_dir=str(data_dir.resolve()),
         splits=stats,
     )
+
+
+def _plan_shards(
+    splits: dict, out: Path, bpt: int, shard_bytes: int, run_key: str
+) -> tuple[dict[str, list[ShardPlan]], dict[str, list[ShardPlan]]]:
+    """(every split's shard plan, the shards still to write): shards of an earlier run with this run's
+    key stay; a dead run's temporary shard and shards past the new plan's end go."""
+    plans: dict[str, list[ShardPlan]] = {}
+    todo: dict[str, list[ShardPlan]] = {}
+    for split, samples in splits.items():
+        sdir = out / split
+        sdir.mkdir(parents=True, exist_ok=True)
+        plans[split] = plan_shards(samples, bpt, shard_bytes, run_key)
+        for stale in sdir.glob(".shard-*.tmp"):
+            stale.unlink()  # the shard in flight when a previous run died
+        for f in sdir.glob("shard-*.safetensors"):
+            if int(f.name[6:11]) >= len(plans[split]):
+                f.unlink()
+        todo[split] = [p for p in plans[split] if shard_key(sdir / shard_name(p.index)) != p.key]
+    return plans, todo
+
+
+def _check_disk(head: str, splits: dict, todo_tok: int, bpt: int, out: Path, ignore: bool) -> None:
+    """Say (after `head`) what the capture writes and what is free; refuse before the first shard when
+    it cannot fit."""
+    n_tok = sum(len(s.input_ids) for ss in splits.values() for s in ss)
+    need, free = todo_tok * bpt, outdir.free_bytes(out)
+    log(
+        f"{head}; {n_tok:,} tokens in {', '.join(f'{k} {len(v)}' for k, v in splits.items())} samples = "
+        f"{format_bytes(n_tok * bpt)}; to write now {format_bytes(need)} ({todo_tok:,} tokens), "
+        f"free on {out}: {format_bytes(free)}"
+    )
+    if need > free:
+        msg = (
+            f"not enough disk space for the capture: it needs {format_bytes(need)} but {out} has {format_bytes(free)} free. "
+            f"Free space, point --out at a larger disk, capture fewer samples or layers, or pass --ignore-disk-check."
+        )
+        if not ignore:
+            raise NestlingError(msg)
+        log(f"[capture] warning: {msg} (continuing: --ignore-disk-check)")
 
 
 def _run(
