@@ -277,6 +277,87 @@ def test_kill_9_then_resume_equals_uninterrupted(uninterrupted, conversations, t
         assert (out / name).read_bytes() == (uninterrupted / name).read_bytes()
 
 
+@pytest.mark.slow
+def test_kill_9_inside_one_large_chunk_keeps_the_finished_conversations(tiny_target, tmp_path):
+    """One chunk holds the whole input (the fastest way on a GPU). Killed after some conversations
+    finished (journal.py writes them to partial.jsonl), the rerun takes those from the journal, runs
+    only the others, and writes the same files as an uninterrupted run."""
+    turns = [1 + i % 4 for i in range(24)]  # 1-4 assistant turns: the one-turn ones finish in the first wave
+    rows = [
+        {
+            "id": f"c{i}",
+            "conversations": [
+                m for k in range(t) for m in ({"from": "human", "value": f"Q{i}.{k}?"}, {"from": "gpt", "value": "old"})
+            ],
+        }
+        for i, t in enumerate(turns)
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    target = tiny_target("llama")
+    args = ["--engine", "hf", "--dtype", "float32", "--max-new-tokens", "64", "chunk_size=1000", "hf_batch_size=3"]
+    args += ["save_token_ids=true", "journal_every_s=0"]
+    reference = tmp_path / "straight"
+    s = RegenerateSettings(
+        engine="hf", dtype="float32", max_new_tokens=64, chunk_size=1000, hf_batch_size=3, save_token_ids=True
+    )  # journal_every_s is not an output setting: the same files
+    regenerate(src, target, reference, s)
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "nestling", "regenerate", str(src), "--target", str(target), "--out", str(out), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    journal = out / "partial.jsonl"
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and p.poll() is None:
+            if journal.exists() and journal.read_bytes().count(b"\n") >= 2:
+                break
+            time.sleep(0.01)
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    assert json.loads((out / "state.json").read_text())["chunks_done"] == 0  # killed inside the only chunk
+    entries = [json.loads(line) for line in journal.read_text().splitlines()]
+    kept, left = len(entries), sum(turns) - sum(e["turns"] for e in entries)
+    assert 2 <= kept < 24 and left > 0 and not (out / "manifest.json").exists()
+    with open(journal, "ab") as f:  # as if killed in the middle of a journal line
+        f.write(b'{"chunk": 0, "key": [5')
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert f"resuming chunk 1: {kept} conversations already finished" in res.stderr
+    assert f"{left}/{left} turn (100.0%)" in res.stderr  # only the others ran
+    for name in ("messages.jsonl", "failed.jsonl"):
+        assert (out / name).read_bytes() == (reference / name).read_bytes()
+    m, ref = (json.loads((d / "manifest.json").read_text()) for d in (out, reference))
+    assert m["counts"] == ref["counts"] and m["generation"]["output_tokens"] == ref["generation"]["output_tokens"]
+    assert m["generation"]["turns"] == sum(turns) and not journal.exists()  # the committed chunk supersedes it
+
+
+def test_journal_reads_its_chunk_cuts_a_half_line_and_drops_another_chunks(tmp_path):
+    from nestling.regenerate.journal import Journal, read_journal
+
+    path = tmp_path / "partial.jsonl"
+    j = Journal(path, chunk=3, every=3600.0)
+    j.add({"key": [7, 0], "status": "kept", "row": {"id": "a"}, "turns": 2, "output_tokens": 9, "truncated_turns": 0})
+    assert not path.exists()  # held until `every` seconds passed (or flush)
+    j.add(
+        {
+            "key": [8, 1],
+            "status": "failed",
+            "row": {"reason": "x"},
+            "turns": 0,
+            "output_tokens": 0,
+            "truncated_turns": 0,
+        }
+    )
+    j.flush()
+    whole = path.read_bytes()
+    path.write_bytes(whole + b'{"chunk": 3, "key": [9')  # a kill in the middle of a line
+    done = read_journal(path, 3)
+    assert sorted(done) == [(7, 0), (8, 1)] and done[(7, 0)]["row"] == {"id": "a"} and path.read_bytes() == whole
+    assert read_journal(path, 4) == {} and not path.exists()  # chunk 3 was committed before the kill
+
+
 def test_streamed_turns_equal_turn_by_turn_waves(tiny_target, tmp_path, monkeypatch, capsys):
     """With hf_stream the hf engine starts a conversation's next turn as soon as its answer is in (conversations that
     outgrow the short cache are parked and run after with a longer one); the files equal those of

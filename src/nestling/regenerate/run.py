@@ -4,11 +4,13 @@ Turn k of a conversation is generated from the history whose earlier answers wer
 regenerated, so the draft later learns the target's own distribution. Conversations are processed
 in chunks; inside a chunk, all conversations' turn k form one engine batch. A finished chunk is
 appended to the output files and fsynced, then `state.json` records the new file sizes; a rerun
-truncates the files to those sizes and continues with the next chunk, so a kill -9 costs at most
-the chunk in flight and the result equals an uninterrupted run.
+truncates the files to those sizes and continues with the next chunk; inside the chunk in flight,
+finished conversations are journaled as they finish (journal.py) and not run again. So a kill -9
+costs the conversations that were running, and the result equals an uninterrupted run.
 
 Output (`OUT/`): `messages.jsonl` (kept conversations, `{"id", "source_index", "messages"}`, read by
-the data stage as is), `failed.jsonl` (every failed or skipped record with its reason), `manifest.json`.
+the data stage as is), `failed.jsonl` (every failed or skipped record with its reason), `manifest.json`;
+while a chunk runs, `partial.jsonl` (journal.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from nestling.regenerate.engine import (
     resolve_engine,
     run_chain,
 )
+from nestling.regenerate.journal import JOURNAL, Journal, Key, read_journal
 from nestling.regenerate.readers import Record, read_records
 from nestling.regenerate.settings import OUTPUT_FIELDS, RegenerateSettings
 
@@ -56,6 +59,10 @@ class Conv:
     key: int = 0  # index in its chunk (how engines name its requests)
     token_ids: list[list[int]] = field(default_factory=list)
     failed: tuple[str, str] | None = None
+    output_tokens: int = 0  # this conversation's share of the chunk's counts (the journal keeps them)
+    turns_done: int = 0
+    truncated_turns: int = 0
+    journaled: dict | None = None  # finished by an earlier, killed run (journal.py): not run again
 
 
 @dataclass
@@ -90,6 +97,22 @@ class Turns:
     max_len: int
     res: ChunkResult
     progress: Progress | None
+    journal: Journal | None = None
+
+    def finish(self, c: Conv) -> None:
+        """A conversation is done (all its turns, or failed): journal it, so a crash keeps it."""
+        if self.journal is not None:
+            status, row = outcome(c, self.s)
+            self.journal.add(
+                {
+                    "key": [c.rec.source_index, c.sample],
+                    "status": status,
+                    "row": row,
+                    "output_tokens": c.output_tokens,
+                    "turns": c.turns_done,
+                    "truncated_turns": c.truncated_turns,
+                }
+            )
 
     def ask(self, convs: list[Conv]) -> list[tuple[int, Request]]:
         """Each conversation's next request (prompts rendered in one batch); a prompt at or over the
@@ -102,6 +125,7 @@ class Turns:
                     "context_overflow",
                     f"assistant turn {c.turn}: prompt is {len(ids)} tokens, max_model_len is {self.max_len}",
                 )
+                self.finish(c)
                 continue
             out.append(
                 (c.key, Request(ids, min(s.max_new_tokens, self.max_len - len(ids)), _seed(s, c.rec, c.turn, c.sample)))
@@ -114,15 +138,21 @@ class Turns:
             c = self.convs[key]
             if out.error:
                 c.failed = (out.error, f"assistant turn {c.turn}: {out.detail}")
+                self.finish(c)
                 continue
             c.messages[c.positions[c.turn]]["content"] = postprocess(out.text, self.s.reasoning)
             c.token_ids.append(out.token_ids or [])
+            c.output_tokens += out.num_tokens
+            c.turns_done += 1
+            c.truncated_turns += out.finish_reason == "length"
             res.output_tokens += out.num_tokens
             res.turns += 1
             res.truncated_turns += out.finish_reason == "length"
             c.turn += 1
             if c.turn < len(c.positions):
                 nxt.append(c)
+            else:
+                self.finish(c)
         if self.progress is not None:  # a failed answer is a turn done too: the count reaches the plan
             self.progress.update(len(done), tokens=sum(o.num_tokens for _, o in done))
         return self.ask(nxt)
@@ -135,6 +165,18 @@ def planned_turns(records: list[Record], s: RegenerateSettings) -> int:
     )
 
 
+def outcome(c: Conv, s: RegenerateSettings) -> tuple[str, dict]:
+    """("kept", its messages row) or ("failed", its failed.jsonl row) for a finished conversation."""
+    n = max(1, s.n)
+    if c.failed:
+        reason, detail = c.failed
+        return "failed", {**_ident(c.rec, c.sample, n), "status": "failed", "reason": reason, "detail": detail}
+    row = {**_ident(c.rec, c.sample, n), "messages": c.messages}
+    if s.save_token_ids:
+        row["completion_token_ids"] = c.token_ids
+    return "kept", row
+
+
 def run_chunk(
     records: list[Record],
     engine: Engine,
@@ -142,7 +184,12 @@ def run_chunk(
     s: RegenerateSettings,
     max_len: int,
     progress: Progress | None = None,
+    journal: Journal | None = None,
+    done: dict[Key, dict] | None = None,
 ) -> ChunkResult:
+    """Regenerate a chunk; conversations in `done` (a killed run's journal) are taken from it, and
+    each one finished here goes to `journal` as it finishes."""
+    done = done or {}
     res = ChunkResult([], [], Counter())
     convs: list[Conv] = []
     n = max(1, s.n)
@@ -166,19 +213,20 @@ def run_chunk(
             res.counts["skipped:no_assistant_turn"] += 1
             continue
         convs.append(Conv(rec, msgs, assistant_positions(msgs), k, key=len(convs)))
-    turns = Turns(convs, tokenizer, s, max_len, res, progress)
-    run_chain(engine, turns.ask(convs), turns.follow)
+        convs[-1].journaled = done.get((rec.source_index, k))
+    turns = Turns(convs, tokenizer, s, max_len, res, progress, journal)
+    live = [c for c in convs if c.journaled is None]
+    if live:
+        run_chain(engine, turns.ask(live), turns.follow)
     for c in convs:
-        if c.failed:
-            reason, detail = c.failed
-            res.dropped.append({**_ident(c.rec, c.sample, n), "status": "failed", "reason": reason, "detail": detail})
-            res.counts[f"failed:{reason}"] += 1
-            continue
-        row = {**_ident(c.rec, c.sample, n), "messages": c.messages}
-        if s.save_token_ids:
-            row["completion_token_ids"] = c.token_ids
-        res.kept.append(row)
-        res.counts["kept"] += 1
+        if c.journaled is not None:
+            status, row = c.journaled["status"], c.journaled["row"]
+            for name in ("output_tokens", "turns", "truncated_turns"):
+                setattr(res, name, getattr(res, name) + int(c.journaled[name]))
+        else:
+            status, row = outcome(c, s)
+        (res.kept if status == "kept" else res.dropped).append(row)
+        res.counts["kept" if status == "kept" else f"failed:{row['reason']}"] += 1
     return res
 
 
@@ -322,6 +370,7 @@ def _open_state(out: Path, fingerprint: str) -> dict:
     }
     for name in (MESSAGES, FAILED):
         _truncate(out / name, state["bytes"][name])
+    atomic_write_json(state_path, state)  # at once: its fingerprint vouches for a journal written next
     return state
 
 
@@ -342,14 +391,23 @@ def _run_chunks(
         max_len = engine.max_model_len
     # Counted in turns, as answers come in (a chunk may be all of the input: conversations are only
     # counted when it is written); turns lost to a failed conversation are counted at its chunk's end.
+    # The first chunk's turns that a killed run journaled are not planned again.
+    done = read_journal(out / JOURNAL, state["chunks_done"])
     planned = [planned_turns(chunk, s) for chunk in todo]
+    planned[0] -= sum(int(e["turns"]) for e in done.values() if e["status"] == "kept")
     progress = Progress("regenerate", total=sum(planned), unit="turn")
     counts = Counter(state["counts"])
     try:
         written = 0  # conversations of this run written so far
         for chunk, turns in zip(todo, planned):
             t0, before = time.monotonic(), progress.done
-            res = run_chunk(chunk, engine, tokenizer, s, max_len, progress)
+            journal = Journal(out / JOURNAL, state["chunks_done"], s.journal_every_s)
+            try:
+                res = run_chunk(chunk, engine, tokenizer, s, max_len, progress, journal, done)
+            except BaseException:
+                journal.flush()  # an error or Ctrl-C: what finished before it is kept for the rerun
+                raise
+            done = {}
             state["bytes"][MESSAGES] = _append(out / MESSAGES, res.kept)
             state["bytes"][FAILED] = _append(out / FAILED, res.dropped)
             counts.update(res.counts)
@@ -359,6 +417,7 @@ def _run_chunks(
                 state[k] += getattr(res, k)
             state["seconds"] += time.monotonic() - t0
             atomic_write_json(out / STATE, state)  # the commit: files up to these sizes are final
+            (out / JOURNAL).unlink(missing_ok=True)  # superseded (a kill before this: read_journal drops it)
             written += len(chunk)
             progress.update(turns - (progress.done - before), conv=f"{written}/{sum(map(len, todo))}")
     finally:

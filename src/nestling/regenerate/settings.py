@@ -33,6 +33,9 @@ class RegenerateSettings:
     # conversations per engine call, committed together (the unit of resumption); 0 = auto (engine.py)
     chunk_size: int = 0
     save_token_ids: bool = False  # also write the generated token ids of every turn (for checks)
+    # finished conversations of the chunk in flight go to partial.jsonl at most this often (seconds), so
+    # a crash inside a large chunk loses only what was running and this much finished work (journal.py)
+    journal_every_s: float = 10.0
     dtype: str = "auto"  # vllm / hf weights dtype: auto, bfloat16, float16, float32
     # engine: hf
     device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
