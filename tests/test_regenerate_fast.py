@@ -238,6 +238,22 @@ def test_n_above_one_needs_sampling(conversations, tiny_target, tmp_path):
         regenerate(conversations, tiny_target("llama"), tmp_path / "out", RegenerateSettings(engine="hf", n=2))
 
 
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def _kill_when(cmd: list[str], ready, every: float = 0.05) -> None:
+    """Run the CLI in a process group of its own and kill -9 the group once `ready()` holds (or 300 s)."""
+    p = subprocess.Popen(cmd, env=_env(), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and p.poll() is None and not ready():
+            time.sleep(every)
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
 @pytest.mark.slow
 def test_kill_9_then_resume_equals_uninterrupted(uninterrupted, conversations, tiny_target, tmp_path):
     out = tmp_path / "killed"
@@ -253,18 +269,9 @@ def test_kill_9_then_resume_equals_uninterrupted(uninterrupted, conversations, t
         str(out),
         *ARGS,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = _env()
     state = out / "state.json"
-    deadline = time.monotonic() + 300
-    try:
-        while time.monotonic() < deadline and p.poll() is None:
-            if state.exists() and json.loads(state.read_text())["chunks_done"] >= 1:
-                break
-            time.sleep(0.05)
-    finally:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
+    _kill_when(cmd, lambda: state.exists() and json.loads(state.read_text())["chunks_done"] >= 1)
     done = json.loads(state.read_text())["chunks_done"]
     assert 1 <= done < N_CONV // CHUNK and not (out / "manifest.json").exists()
     with open(out / "messages.jsonl", "ab") as f:  # as if killed in the middle of appending a chunk
@@ -304,18 +311,9 @@ def test_kill_9_inside_one_large_chunk_keeps_the_finished_conversations(tiny_tar
     regenerate(src, target, reference, s)
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "nestling", "regenerate", str(src), "--target", str(target), "--out", str(out), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = _env()
     journal = out / "partial.jsonl"
-    deadline = time.monotonic() + 300
-    try:
-        while time.monotonic() < deadline and p.poll() is None:
-            if journal.exists() and journal.read_bytes().count(b"\n") >= 2:
-                break
-            time.sleep(0.01)
-    finally:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
+    _kill_when(cmd, lambda: journal.exists() and journal.read_bytes().count(b"\n") >= 2, every=0.01)
     assert json.loads((out / "state.json").read_text())["chunks_done"] == 0  # killed inside the only chunk
     entries = [json.loads(line) for line in journal.read_text().splitlines()]
     kept, left = len(entries), sum(turns) - sum(e["turns"] for e in entries)
