@@ -332,6 +332,7 @@ def test_kill_9_inside_one_large_chunk_keeps_the_finished_conversations(tiny_tar
 
 
 def test_journal_reads_its_chunk_cuts_a_half_line_and_drops_another_chunks(tmp_path):
+    from nestling.errors import NestlingError
     from nestling.regenerate.journal import Journal, read_journal
 
     path = tmp_path / "partial.jsonl"
@@ -354,6 +355,9 @@ def test_journal_reads_its_chunk_cuts_a_half_line_and_drops_another_chunks(tmp_p
     done = read_journal(path, 3)
     assert sorted(done) == [(7, 0), (8, 1)] and done[(7, 0)]["row"] == {"id": "a"} and path.read_bytes() == whole
     assert read_journal(path, 4) == {} and not path.exists()  # chunk 3 was committed before the kill
+    path.write_bytes(b"not json\n" + whole)
+    with pytest.raises(NestlingError, match="damaged.*delete it"):
+        read_journal(path, 3)
 
 
 def test_streamed_turns_equal_turn_by_turn_waves(tiny_target, tmp_path, monkeypatch, capsys):

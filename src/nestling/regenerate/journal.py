@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nestling.errors import NestlingError
 from nestling.progress import log
 
 JOURNAL = "partial.jsonl"
@@ -61,7 +62,12 @@ def read_journal(path: Path, chunk: int) -> dict[Key, dict]:
     if end < len(data):
         with open(path, "r+b") as f:
             f.truncate(end)
-    entries = [json.loads(line) for line in data[:end].splitlines()]
+    try:
+        entries = [json.loads(line) for line in data[:end].splitlines()]
+    except json.JSONDecodeError as e:  # only the last line can be half-written; this is damage
+        raise NestlingError(
+            f"{path} is damaged ({e}); delete it to regenerate the whole chunk in flight, then rerun"
+        ) from None
     if not entries or entries[0].get("chunk") != chunk:
         path.unlink()
         return {}
