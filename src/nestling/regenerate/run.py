@@ -95,7 +95,6 @@ class Turns:
     tokenizer: object
     s: RegenerateSettings
     max_len: int
-    res: ChunkResult
     progress: Progress | None
     journal: Journal | None = None
 
@@ -133,7 +132,7 @@ class Turns:
         return out
 
     def follow(self, done: list[tuple[int, Completion]]) -> list[tuple[int, Request]]:
-        nxt, res = [], self.res
+        nxt = []
         for key, out in done:
             c = self.convs[key]
             if out.error:
@@ -145,9 +144,6 @@ class Turns:
             c.output_tokens += out.num_tokens
             c.turns_done += 1
             c.truncated_turns += out.finish_reason == "length"
-            res.output_tokens += out.num_tokens
-            res.turns += 1
-            res.truncated_turns += out.finish_reason == "length"
             c.turn += 1
             if c.turn < len(c.positions):
                 nxt.append(c)
@@ -214,17 +210,20 @@ def run_chunk(
             continue
         convs.append(Conv(rec, msgs, assistant_positions(msgs), k, key=len(convs)))
         convs[-1].journaled = done.get((rec.source_index, k))
-    turns = Turns(convs, tokenizer, s, max_len, res, progress, journal)
+    turns = Turns(convs, tokenizer, s, max_len, progress, journal)
     live = [c for c in convs if c.journaled is None]
     if live:
         run_chain(engine, turns.ask(live), turns.follow)
-    for c in convs:
+    for c in convs:  # the chunk's counts are its conversations' (a journaled one's as journaled)
         if c.journaled is not None:
             status, row = c.journaled["status"], c.journaled["row"]
-            for name in ("output_tokens", "turns", "truncated_turns"):
-                setattr(res, name, getattr(res, name) + int(c.journaled[name]))
+            c.output_tokens, c.turns_done = int(c.journaled["output_tokens"]), int(c.journaled["turns"])
+            c.truncated_turns = int(c.journaled["truncated_turns"])
         else:
             status, row = outcome(c, s)
+        res.output_tokens += c.output_tokens
+        res.turns += c.turns_done
+        res.truncated_turns += c.truncated_turns
         (res.kept if status == "kept" else res.dropped).append(row)
         res.counts["kept" if status == "kept" else f"failed:{row['reason']}"] += 1
     return res
