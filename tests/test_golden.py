@@ -50,6 +50,8 @@ RUN = dict(
     # 4 Dec 2026, are pinned by tests/test_train_ttt.py and the vLLM parity tests)
     draft_fc_norm=False,
     draft_norm_output=False,
+    # and a trained lm_head (frozen by default since 5 Dec 2026; pinned by tests/test_train_recipe.py)
+    freeze_lm_head=False,
 )
 STEPS = 30
 TRAIN_KEYS = ("loss", "loss_0", "loss_1", "loss_2", "acc_0", "acc_1", "acc_2", "grad_norm", "lr")

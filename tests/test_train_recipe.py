@@ -35,14 +35,25 @@ def _initial_draft(capture, s: TrainSettings):
     cfg = DraftConfig.from_target(inp.hf_config, 100, inp.aux_layer_ids)
     torch.manual_seed(s.seed)
     head = read_head(inp.target, 49152, 128)
-    return build_draft(cfg, head, d2t, t2d, s.lm_head_init, s.freeze_lm_head), head, d2t
+    return build_draft(cfg, head, d2t, t2d, s.lm_head_init, s.head_frozen), head, d2t
+
+
+@pytest.mark.parametrize(
+    "kw, frozen",
+    [({}, True), (dict(lm_head_init="random"), False), (dict(freeze_lm_head=False), False)],
+)
+def test_lm_head_is_frozen_by_default_when_it_starts_at_the_target_rows(kw, frozen):
+    from nestling.config import from_dict
+
+    assert from_dict(TrainSettings, kw).head_frozen is frozen  # lm_head_init=random alone is no error
 
 
 def test_frozen_lm_head_stays_at_the_target_rows_and_is_exported(capture, tmp_path, capsys):
+    """The default (freeze_lm_head unset, lm_head_init=target) freezes the head."""
     from nestling.draft.vocab import draft_ids_to_target
     from nestling.export.run import export
 
-    s = TrainSettings(steps=4, freeze_lm_head=True, ttt_decay=1.0, eval_batches=1, **TINY)
+    s = TrainSettings(steps=4, ttt_decay=1.0, eval_batches=1, **TINY)
     m = train(capture, tmp_path / "t", s)
     init, head, d2t = _initial_draft(capture, s)
     rows = head.lm_head[draft_ids_to_target(d2t)].float()

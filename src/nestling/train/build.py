@@ -97,7 +97,7 @@ def build_run(
         weights, optim_state, state = ckpt.load(start, plan.key)  # checks the configuration first
     torch.manual_seed(s.seed)
     head = read_head(inp.target, plan.vocab_size, plan.hidden_size)
-    draft = build_draft(plan.cfg, head, plan.d2t, plan.t2d, s.lm_head_init, s.freeze_lm_head)
+    draft = build_draft(plan.cfg, head, plan.d2t, plan.t2d, s.lm_head_init, s.head_frozen)
     amp = _amp(device, s)
     draft.to(device)
     if amp != torch.float32:

@@ -167,7 +167,7 @@ def _announce(run: Run, inp: Inputs) -> None:
     log(
         f"[train] lr {plan.lr:g} ({plan.lr_why}); optimizer {s.optimizer}"
         + (f", muon_lr {s.muon_lr if s.muon_lr is not None else plan.lr:g}" if s.optimizer == "muon" else "")
-        + ("; lm_head frozen at the target's rows" if s.freeze_lm_head else "")
+        + ("; lm_head frozen at the target's rows" if s.head_frozen else "")
         + (f"; hidden_noise {s.hidden_noise:g}" if s.hidden_noise else "")
     )
     if plan.vocab_coverage < VOCAB_COVERAGE_HINT and plan.cfg.draft_vocab_size < plan.vocab_size:
