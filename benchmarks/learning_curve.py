@@ -107,6 +107,16 @@ def heldout_conversations(prompts: Path, out: Path) -> Path:
     return out
 
 
+def side_cache_tokens(b: Bench) -> int:
+    """KV-cache tokens for a regeneration that runs beside training runs on one GPU (0 on a CPU: the
+    engine's own default)."""
+    if not b.cuda:
+        return 0
+    import torch
+
+    return 2**21 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 2**20
+
+
 def regen(
     b: Bench,
     name: str,
@@ -418,7 +428,8 @@ def equal_source(b: Bench, kind: str) -> tuple[list[Path], int | None]:
             with greedy.open() as f:
                 head.write_text("".join(line for _, line in zip(range(n), f)))
         m = int(kind[7:])
-        # 2M KV-cache tokens (46 GB for SmolLM2): the runs training beside it keep the rest of the GPU
+        # 2M KV-cache tokens (46 GB for SmolLM2) on an H200, 1M on an 80-GB card: the runs training
+        # beside it keep the rest of the GPU
         sampled = regen(
             b,
             f"regen-equal-{kind}",
@@ -428,7 +439,7 @@ def equal_source(b: Bench, kind: str) -> tuple[list[Path], int | None]:
             a.regen_max_new_tokens,
             m,
             a.regen_temperature,
-            2**21 if b.cuda else 0,
+            side_cache_tokens(b),
         )
         return [head, sampled], None
     raise SystemExit(f"data={kind} in an equal run: human, regen or regen+sM (greedy plus M >= 1 sampled answers)")
