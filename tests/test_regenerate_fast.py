@@ -4,6 +4,8 @@ n samples per conversation are distinct and repeat exactly), and a kill -9 resum
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import signal
@@ -236,6 +238,44 @@ def test_n_above_one_needs_sampling(conversations, tiny_target, tmp_path):
 
     with pytest.raises(NestlingError, match="temperature > 0"):
         regenerate(conversations, tiny_target("llama"), tmp_path / "out", RegenerateSettings(engine="hf", n=2))
+
+
+@pytest.mark.parametrize("bad", [{"sampled": -1}, {"sampled": 1, "sampled_temperature": 0.0}])
+def test_sampled_needs_a_count_and_a_temperature(bad, conversations, tiny_target, tmp_path):
+    from nestling.errors import NestlingError
+
+    with pytest.raises(NestlingError, match="sampled_temperature > 0"):
+        regenerate(conversations, tiny_target("llama"), tmp_path / "out", RegenerateSettings(engine="hf", **bad))
+
+
+@pytest.mark.slow
+def test_greedy_plus_sampled_pass(conversations, tiny_target, tmp_path):
+    """sampled=1: the greedy answers in OUT, one sampled answer per conversation in OUT/sampled, each
+    pass resumable on its own; the sampled pass differs from the greedy one and repeats on a rerun."""
+    s = RegenerateSettings(
+        engine="hf", dtype="float32", max_new_tokens=24, chunk_size=CHUNK, save_token_ids=True, sampled=1
+    )
+    m = regenerate(conversations, tiny_target("llama"), tmp_path / "a", s)
+    assert m["counts"]["kept"] == N_CONV and m["sampled"]["counts"]["kept"] == N_CONV
+    greedy, sampled = _rows(tmp_path / "a"), _rows(tmp_path / "a" / "sampled")
+    assert [r["id"] for r in greedy] == [r["id"] for r in sampled] == [f"c{i}" for i in range(N_CONV)]
+    assert [r["source_index"] for r in greedy] == [r["source_index"] for r in sampled]
+    assert any(g["completion_token_ids"] != x["completion_token_ids"] for g, x in zip(greedy, sampled))
+    assert m["sampled"]["settings"]["temperature"] == 0.7 and m["settings"]["temperature"] == 0.0
+    # the greedy pass alone equals a run without `sampled` (the extra pass leaves it untouched)
+    regenerate(conversations, tiny_target("llama"), tmp_path / "plain", dataclasses.replace(s, sampled=0))
+    assert (tmp_path / "plain" / "messages.jsonl").read_bytes() == (tmp_path / "a" / "messages.jsonl").read_bytes()
+    assert not (tmp_path / "plain" / "sampled").exists()
+    # a sampled pass killed before its manifest resumes into the same bytes
+    (tmp_path / "a" / "sampled" / "manifest.json").unlink()
+    again = regenerate(conversations, tiny_target("llama"), tmp_path / "a", s)
+    assert again["sampled"]["counts"]["kept"] == N_CONV
+    regenerate(conversations, tiny_target("llama"), tmp_path / "b", s)
+    for d in ("a", "b"):
+        assert (tmp_path / d / "sampled" / "messages.jsonl").read_bytes() == (
+            tmp_path / "b" / "sampled" / "messages.jsonl"
+        ).read_bytes()
+    assert _rows(tmp_path / "a" / "sampled") == sampled
 
 
 def _env() -> dict:

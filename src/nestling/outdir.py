@@ -37,7 +37,12 @@ RUN_FILE = "run.json"  # a `nestling run` folder is recognised by it (see pipeli
 # COMMON: its manifest, marker and lock, progress.json, and the temporary names of atomic writes.
 COMMON = (MANIFEST, MARKER, LOCK, "progress.json", f".{MANIFEST}.*.tmp", f".{MARKER}.*.tmp")
 OWNS: dict[str, tuple[str, ...]] = {
-    "regenerate": ("messages.jsonl", "failed.jsonl", "partial.jsonl", "state.json", ".state.json.*.tmp"),
+    "regenerate": tuple(
+        f"{sub}{name}"
+        for sub in ("", "sampled/")  # sampled/: the `sampled` pass (regenerate/settings.py SAMPLED)
+        for name in ("messages.jsonl", "failed.jsonl", "partial.jsonl", "state.json", ".state.json.*.tmp")
+        + ((MANIFEST, f".{MANIFEST}.*.tmp") if sub else ())
+    ),
     "data": ("train-*.parquet", "heldout-*.parquet", ".train-*.parquet.tmp", ".heldout-*.parquet.tmp"),
     "capture": tuple(
         f"{split}/{name}"

@@ -65,8 +65,9 @@ class Shards:
                     ex.append(f"{o.sample_id}: {o.detail}" if o.detail else o.sample_id)
                 continue
             self.rows_dropped.update(o.rows_dropped)
-            # by the conversation's id: every row of a conversation lands in the same split
-            split = "heldout" if heldout_of(o.sample_id, settings.seed, settings.held_out) else "train"
+            # by the conversation (every answer to one regenerated conversation: workers.split_group),
+            # so every row of a conversation lands in the same split
+            split = "heldout" if heldout_of(o.group or o.sample_id, settings.seed, settings.held_out) else "train"
             st = self.stats[split]
             for r in o.rows:
                 buffers[split].append(Sample(r.sample_id, o.source_index, r.input_ids, r.loss_mask))  # type: ignore[arg-type]

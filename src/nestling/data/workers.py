@@ -41,6 +41,17 @@ class Outcome:
     detail: str = ""
     altered: list[str] = field(default_factory=list)
     rows_dropped: list[str] = field(default_factory=list)  # rows=turn: why a turn's row was left out
+    group: str = ""  # what the held-out split hashes (split_group); "" = sample_id
+
+
+def split_group(sample_id: str, data: dict | None) -> str:
+    """The key the train/held-out split hashes. A row `nestling regenerate` wrote names the input
+    conversation it answers (`source_index`); every answer to that conversation (greedy, the n samples,
+    the `sampled` pass's file) must land in one split, or a held-out prompt trains the draft through
+    its twin and inflates held-out acceptance. Any other record is its own group."""
+    if isinstance(data, dict) and isinstance(data.get("source_index"), int) and "messages" in data:
+        return f"regenerated:{data['source_index']}"
+    return sample_id
 
 
 # Worker state: set in the parent before the pool forks (or by the initializer under spawn).
@@ -76,7 +87,7 @@ def process(span: tuple[int, int]) -> list[Outcome]:
     outcomes: list[Outcome] = []
     todo: list[tuple[Outcome, list[dict]]] = []
     for sid, rec in records:
-        o = Outcome(sid, rec.index)
+        o = Outcome(sid, rec.index, group=split_group(sid, rec.data))
         outcomes.append(o)
         if rec.data is None:
             o.drop, o.detail = error_reason(rec), rec.error or ""

@@ -66,17 +66,24 @@ def _regenerate(ctx: StageContext) -> Any:
 
 
 def data_inputs(ctx: StageContext) -> list[str]:
-    """The data stage reads the regenerated conversations when regenerate runs, else the inputs."""
+    """The data stage reads the regenerated conversations when regenerate runs (and the `sampled`
+    pass's, when it ran), else the inputs."""
     if "regenerate" not in ctx.enabled:
         return list(ctx.inputs)
     import json
 
-    out = ctx.dir("regenerate")
-    manifest = json.loads((out / "manifest.json").read_text())
-    messages = out / (manifest.get("files") or {}).get("messages", "messages.jsonl")
-    if not messages.exists():
-        raise NestlingError(f"{out} holds no regenerated conversations ({messages.name} is missing)")
-    return [str(messages)]
+    from nestling.regenerate.settings import SAMPLED
+
+    found = []
+    for out in (ctx.dir("regenerate"), ctx.dir("regenerate") / SAMPLED):
+        if out.name == SAMPLED and not (out / "manifest.json").exists():
+            continue  # sampled=0: no such pass (a changed setting clears the stage folder first)
+        manifest = json.loads((out / "manifest.json").read_text())
+        messages = out / (manifest.get("files") or {}).get("messages", "messages.jsonl")
+        if not messages.exists():
+            raise NestlingError(f"{out} holds no regenerated conversations ({messages.name} is missing)")
+        found.append(str(messages))
+    return found
 
 
 def _data(ctx: StageContext) -> Any:

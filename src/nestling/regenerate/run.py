@@ -40,7 +40,7 @@ from nestling.regenerate.engine import (
 )
 from nestling.regenerate.journal import JOURNAL, Journal, Key, read_journal
 from nestling.regenerate.readers import Record, read_records
-from nestling.regenerate.settings import OUTPUT_FIELDS, RegenerateSettings
+from nestling.regenerate.settings import OUTPUT_FIELDS, SAMPLED, RegenerateSettings
 
 MESSAGES = "messages.jsonl"
 FAILED = "failed.jsonl"
@@ -288,9 +288,25 @@ def regenerate(
             f"n={s.n} samples per conversation need sampling: set temperature > 0 "
             "(greedy answers would all be the same)"
         )
+    if s.sampled < 0 or (s.sampled and s.sampled_temperature <= 0):
+        raise NestlingError(
+            f"sampled={s.sampled}, sampled_temperature={s.sampled_temperature}: sampled is 0 (off) or the number "
+            "of extra sampled answers per conversation, and needs sampled_temperature > 0"
+        )
     target_dir = resolve_target(target)
     with outdir.claim(out, "regenerate", [("input file", input), ("target", target_dir), ("target", target)]):
-        return _regenerate(input, target_dir, out, s)
+        manifest = _regenerate(input, target_dir, out, s)
+        if s.sampled:  # a pass of its own: it resumes, and is fingerprinted, apart from the main one
+            log(f"[regenerate] {s.sampled} sampled answer(s) per conversation at temperature {s.sampled_temperature}")
+            (out / SAMPLED).mkdir(exist_ok=True)
+            manifest["sampled"] = _regenerate(input, target_dir, out / SAMPLED, sampled_pass(s))
+        return manifest
+
+
+def sampled_pass(s: RegenerateSettings) -> RegenerateSettings:
+    """The settings of the `sampled` pass: n = sampled answers at sampled_temperature, seeded apart
+    from the main pass (so a sampled main pass is not repeated token for token)."""
+    return dataclasses.replace(s, n=s.sampled, temperature=s.sampled_temperature, seed=s.seed + 1, sampled=0)
 
 
 def _regenerate(input: Path, target_dir: Path, out: Path, s: RegenerateSettings) -> dict:
