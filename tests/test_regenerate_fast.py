@@ -249,7 +249,7 @@ def test_sampled_needs_a_count_and_a_temperature(bad, conversations, tiny_target
 
 
 @pytest.mark.slow
-def test_greedy_plus_sampled_pass(conversations, tiny_target, tmp_path):
+def test_greedy_plus_sampled_pass(conversations, tiny_target, tmp_path, capsys):
     """sampled=1: the greedy answers in OUT, one sampled answer per conversation in OUT/sampled, each
     pass resumable on its own; the sampled pass differs from the greedy one and repeats on a rerun."""
     s = RegenerateSettings(
@@ -270,7 +270,12 @@ def test_greedy_plus_sampled_pass(conversations, tiny_target, tmp_path):
     (tmp_path / "a" / "sampled" / "manifest.json").unlink()
     again = regenerate(conversations, tiny_target("llama"), tmp_path / "a", s)
     assert again["sampled"]["counts"]["kept"] == N_CONV
-    regenerate(conversations, tiny_target("llama"), tmp_path / "b", s)
+    from nestling.cli import main  # the CLI gives the API's bytes, and says where the sampled pass went
+
+    flags = ["--engine", "hf", "--dtype", "float32", "--max-new-tokens", "24", f"chunk_size={CHUNK}"]
+    argv = ["regenerate", str(conversations), "--target", str(tiny_target("llama")), "--out", str(tmp_path / "b")]
+    assert main([*argv, *flags, "save_token_ids=true", "sampled=1"]) == 0
+    assert f"{tmp_path / 'b' / 'sampled' / 'messages.jsonl'}: {N_CONV} kept (sampled pass)" in capsys.readouterr().out
     for d in ("a", "b"):
         assert (tmp_path / d / "sampled" / "messages.jsonl").read_bytes() == (
             tmp_path / "b" / "sampled" / "messages.jsonl"

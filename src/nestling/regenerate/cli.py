@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from nestling.config import settings_from_args
-from nestling.regenerate.settings import RegenerateSettings
+from nestling.regenerate.settings import SAMPLED, RegenerateSettings
 
 HELP = """\
 Regenerate every assistant turn of a chat dataset with the target itself, in order, each turn
@@ -100,5 +100,5 @@ def _run(args: argparse.Namespace) -> int:
     )
     if "sampled" in manifest:
         c = manifest["sampled"]["counts"]
-        print(f"{args.out / 'sampled' / manifest['sampled']['files']['messages']}: {c['kept']} kept (sampled pass)")
+        print(f"{args.out / SAMPLED / manifest['sampled']['files']['messages']}: {c['kept']} kept (sampled pass)")
     return 0
