@@ -5,7 +5,6 @@ n samples per conversation are distinct and repeat exactly), and a kill -9 resum
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 import signal

@@ -74,10 +74,11 @@ def data_inputs(ctx: StageContext) -> list[str]:
 
     from nestling.regenerate.settings import SAMPLED
 
+    main = ctx.dir("regenerate")
+    # sampled=0: no such pass (a changed setting clears the stage folder first)
+    folders = [main] + ([main / SAMPLED] if (main / SAMPLED / "manifest.json").exists() else [])
     found = []
-    for out in (ctx.dir("regenerate"), ctx.dir("regenerate") / SAMPLED):
-        if out.name == SAMPLED and not (out / "manifest.json").exists():
-            continue  # sampled=0: no such pass (a changed setting clears the stage folder first)
+    for out in folders:
         manifest = json.loads((out / "manifest.json").read_text())
         messages = out / (manifest.get("files") or {}).get("messages", "messages.jsonl")
         if not messages.exists():
