@@ -346,3 +346,14 @@ def test_a_target_without_an_embedding_tensor_is_refused_by_name(tiny_target, tm
     target = _target_without(tiny_target("llama"), tmp_path / "target", "model.embed_tokens.weight")
     with pytest.raises(NestlingError, match="cannot find the embedding tensor .*model.embed_tokens.weight"):
         read_head(target, 49152, 128)
+
+
+def test_many_passes_over_the_data_suggest_more_text(capture, tmp_path, capsys):
+    from nestling.train.run import PASSES_HINT, passes_hint
+
+    assert passes_hint(PASSES_HINT) is None and passes_hint(5.0) is None
+    assert "sampled=1" in (passes_hint(10.0) or "")
+    train(capture, tmp_path / "few", TrainSettings(**{**TINY, "epochs": 1.0}))
+    assert "passes over the same training data" not in capsys.readouterr().err
+    train(capture, tmp_path / "many", TrainSettings(**{**TINY, "epochs": 8.0}))
+    assert "8.0 passes over the same training data" in capsys.readouterr().err
