@@ -88,6 +88,33 @@ def test_turn_rows_past_max_length_are_left_out_and_counted(tmp_path, smollm2_di
     assert m["counts"]["rows"] == 2 and m["counts"]["rows_dropped"] == {"too_long": 1}
 
 
+def test_supervision_past_max_length_is_counted_alike_in_both_layouts_and_logged(tmp_path, smollm2_dir, capsys):
+    from nestling.data.run import CUT_HINT, cut_hint
+
+    long = {
+        "conversations": [
+            {"from": "human", "value": "Tell me a story."},
+            {"from": "gpt", "value": "Hi. " * 40},
+            {"from": "human", "value": "Thanks!"},
+            {"from": "gpt", "value": "You're welcome."},
+        ]
+    }
+    full, _ = _prepare(tmp_path, "full", [long, THREE], smollm2_dir)  # nothing is past 2,048
+    assert full["counts"]["supervised_tokens_cut"] == 0
+    assert "not trained on" not in capsys.readouterr().err
+    everything = full["splits"]["train"]["supervised_tokens"]
+    for rows in ("conversation", "turn"):  # right truncation loses the same supervised tokens either way
+        m, _ = _prepare(tmp_path, rows, [long, THREE], smollm2_dir, rows=rows, max_length=64)
+        kept = m["splits"]["train"]["supervised_tokens"]
+        assert 0 < kept < everything and m["counts"]["supervised_tokens_cut"] == everything - kept
+        err = capsys.readouterr().err
+        share = (everything - kept) / everything
+        assert (f"{share:.0%} of the assistant tokens" in err) == (share > CUT_HINT) and share > CUT_HINT
+    m, _ = _prepare(tmp_path, "drop", [long, THREE], smollm2_dir, rows="turn", max_length=64, overflow="drop")
+    assert m["counts"]["supervised_tokens_cut"] == everything - m["splits"]["train"]["supervised_tokens"]
+    assert cut_hint(10, 90, 64) is None and "max_length=64" in (cut_hint(11, 89, 64) or "")
+
+
 def test_rows_of_a_conversation_share_its_split_and_workers_change_nothing(tmp_path, smollm2_dir):
     many = [
         {

@@ -266,10 +266,28 @@ def _tokenize(
     return shards
 
 
+CUT_HINT = 0.10  # share of the assistant tokens past max_length above which the log suggests a longer one
+
+
+def cut_hint(cut: int, kept: int, max_length: int) -> str | None:
+    """The log line for a run that leaves more than CUT_HINT of its assistant tokens past max_length, else None."""
+    share = cut / max(cut + kept, 1)
+    if share <= CUT_HINT:
+        return None
+    return (
+        f"[data] {share:.0%} of the assistant tokens ({cut:,}) lie past max_length={max_length} and are not trained "
+        "on. A longer max_length keeps them, where the training device's memory allows the longest rows "
+        "(measured on SmolLM2 at equal conversations: rows up to 3,072 tokens instead of 1,024 kept 2.4x the "
+        "tokens and gave +0.09 to +0.12 tokens per target forward in vLLM; docs/train.md)"
+    )
+
+
 def _log_summary(shards: Shards, read: int, settings: DataSettings, elapsed: float, out: Path) -> None:
-    """One line for the user: what was kept and dropped (by reason), rows, tokens, held out, time."""
+    """One line for the user: what was kept and dropped (by reason), rows, tokens, held out, time;
+    a second where much of the supervision lies past max_length (`cut_hint`)."""
     counts, stats = shards.counts, shards.stats
     dropped = sum(counts.values())
+    kept = sum(stats[s]["supervised_tokens"] for s in SPLITS)
     log(
         f"[data] kept {read - dropped}/{read} conversations ({dropped} dropped"
         + (": " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) if counts else "")
@@ -282,6 +300,9 @@ def _log_summary(shards: Shards, read: int, settings: DataSettings, elapsed: flo
         + f"; {stats['train']['tokens']:,} train tokens ({stats['train']['supervised_tokens']:,} supervised), "
         + f"{stats['heldout']['samples']} held out; {format_duration(elapsed)} -> {out}"
     )
+    hint = cut_hint(shards.supervised_cut, kept, settings.max_length)
+    if hint:
+        log(hint)
 
 
 __all__ = ["prepare_data"]

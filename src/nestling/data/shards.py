@@ -42,6 +42,7 @@ class Shards:
     counts: Counter = field(default_factory=Counter)  # dropped records, by reason
     altered: Counter = field(default_factory=Counter)  # kept or dropped records changed on the way, by how
     rows_dropped: Counter = field(default_factory=Counter)  # rows=turn: turns left out, by reason
+    supervised_cut: int = 0  # supervised tokens past max_length, of kept and dropped records alike
     examples: dict[str, list[str]] = field(default_factory=dict)  # a few dropped ids (and details) per reason
     buffers: dict[str, list[Sample]] = field(default_factory=lambda: {s: [] for s in SPLITS})
     stats: dict[str, dict[str, Any]] = field(default_factory=_empty_stats)  # the manifest's `splits`
@@ -56,6 +57,7 @@ class Shards:
         settings, buffers = self.settings, self.buffers
         tokens = 0
         for o in outcomes:
+            self.supervised_cut += o.supervised_cut
             for a in o.altered:
                 self.altered[a] += 1
             if o.drop is not None:
@@ -93,6 +95,7 @@ class Shards:
             "altered": dict(sorted(self.altered.items())),
             "rows": self.rows,
             "rows_dropped": dict(sorted(self.rows_dropped.items())),
+            "supervised_tokens_cut": self.supervised_cut,
         }
 
     def _flush(self, split: str) -> None:

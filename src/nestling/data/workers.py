@@ -41,6 +41,7 @@ class Outcome:
     detail: str = ""
     altered: list[str] = field(default_factory=list)
     rows_dropped: list[str] = field(default_factory=list)  # rows=turn: why a turn's row was left out
+    supervised_cut: int = 0  # supervised tokens past max_length: cut off, or left out with their row
     group: str = ""  # what the held-out split hashes (split_group); "" = sample_id
 
 
@@ -138,7 +139,9 @@ def _add_rows(o: Outcome, enc, settings: DataSettings) -> None:
             if settings.overflow == "drop":
                 first_drop = first_drop or ("too_long", f"{len(ids)} tokens > max_length {settings.max_length}")
                 o.rows_dropped.append("too_long")
+                o.supervised_cut += int(mask.sum())
                 continue
+            o.supervised_cut += int(mask[settings.max_length :].sum())
             ids, mask = ids[: settings.max_length], mask[: settings.max_length]
             o.altered.append("truncated_to_max_length")
             if not mask.any():
