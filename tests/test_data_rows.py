@@ -20,6 +20,14 @@ THREE = {
         {"from": "gpt", "value": "6, of course."},
     ]
 }
+LONG = {  # its first turn's row is ~80 tokens; the second turn's prompt alone is longer than 64
+    "conversations": [
+        {"from": "human", "value": "Tell me a story."},
+        {"from": "gpt", "value": "Hi. " * 40},
+        {"from": "human", "value": "Thanks!"},
+        {"from": "gpt", "value": "You're welcome."},
+    ]
+}
 REPLIES = ["Hello! How can I help?<|im_end|>", "4.<|im_end|>", "6, of course.<|im_end|>"]
 
 
@@ -67,50 +75,34 @@ def test_three_turns_give_three_prefix_rows_each_supervising_its_turn(tmp_path, 
 
 
 def test_turn_rows_past_max_length_are_left_out_and_counted(tmp_path, smollm2_dir):
-    long = {
-        "conversations": [
-            {"from": "human", "value": "Tell me a story."},
-            {"from": "gpt", "value": "Hi. " * 40},
-            {"from": "human", "value": "Thanks!"},
-            {"from": "gpt", "value": "You're welcome."},
-        ]
-    }
     # row 0 is ~80 tokens: truncated to 64, it keeps part of its reply; row 1's prompt alone exceeds 64
-    m, out = _prepare(tmp_path, "t", [long, THREE], smollm2_dir, rows="turn", max_length=64)
+    m, out = _prepare(tmp_path, "t", [LONG, THREE], smollm2_dir, rows="turn", max_length=64)
     c = m["counts"]
     assert c["kept"] == 2 and c["rows"] == 1 + 2 and c["dropped"] == {}  # THREE's third row needs > 64 too
     assert c["rows_dropped"] == {"no_supervised_tokens_after_truncation": 2}
     assert c["altered"]["turn_rows_past_max_length_dropped"] == 2
     assert c["altered"]["truncated_to_max_length"] == 2
     assert max(len(s.input_ids) for s in load_samples(out, "train")) == 64
-    m, out = _prepare(tmp_path, "d", [long, THREE], smollm2_dir, rows="turn", max_length=64, overflow="drop")
-    assert m["counts"]["dropped"] == {"too_long": 1}  # every row of `long` is too long: the record goes
+    m, out = _prepare(tmp_path, "d", [LONG, THREE], smollm2_dir, rows="turn", max_length=64, overflow="drop")
+    assert m["counts"]["dropped"] == {"too_long": 1}  # every row of `LONG` is too long: the record goes
     assert m["counts"]["rows"] == 2 and m["counts"]["rows_dropped"] == {"too_long": 1}
 
 
 def test_supervision_past_max_length_is_counted_alike_in_both_layouts_and_logged(tmp_path, smollm2_dir, capsys):
     from nestling.data.run import CUT_HINT, cut_hint
 
-    long = {
-        "conversations": [
-            {"from": "human", "value": "Tell me a story."},
-            {"from": "gpt", "value": "Hi. " * 40},
-            {"from": "human", "value": "Thanks!"},
-            {"from": "gpt", "value": "You're welcome."},
-        ]
-    }
-    full, _ = _prepare(tmp_path, "full", [long, THREE], smollm2_dir)  # nothing is past 2,048
+    full, _ = _prepare(tmp_path, "full", [LONG, THREE], smollm2_dir)  # nothing is past 2,048
     assert full["counts"]["supervised_tokens_cut"] == 0
     assert "not trained on" not in capsys.readouterr().err
     everything = full["splits"]["train"]["supervised_tokens"]
     for rows in ("conversation", "turn"):  # right truncation loses the same supervised tokens either way
-        m, _ = _prepare(tmp_path, rows, [long, THREE], smollm2_dir, rows=rows, max_length=64)
+        m, _ = _prepare(tmp_path, rows, [LONG, THREE], smollm2_dir, rows=rows, max_length=64)
         kept = m["splits"]["train"]["supervised_tokens"]
         assert 0 < kept < everything and m["counts"]["supervised_tokens_cut"] == everything - kept
         err = capsys.readouterr().err
         share = (everything - kept) / everything
         assert (f"{share:.0%} of the assistant tokens" in err) == (share > CUT_HINT) and share > CUT_HINT
-    m, _ = _prepare(tmp_path, "drop", [long, THREE], smollm2_dir, rows="turn", max_length=64, overflow="drop")
+    m, _ = _prepare(tmp_path, "drop", [LONG, THREE], smollm2_dir, rows="turn", max_length=64, overflow="drop")
     assert m["counts"]["supervised_tokens_cut"] == everything - m["splits"]["train"]["supervised_tokens"]
     assert cut_hint(10, 90, 64) is None and "max_length=64" in (cut_hint(11, 89, 64) or "")
 
