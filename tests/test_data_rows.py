@@ -101,7 +101,7 @@ def test_supervision_past_max_length_is_counted_alike_in_both_layouts_and_logged
         assert 0 < kept < everything and m["counts"]["supervised_tokens_cut"] == everything - kept
         err = capsys.readouterr().err
         share = (everything - kept) / everything
-        assert (f"{share:.0%} of the assistant tokens" in err) == (share > CUT_HINT) and share > CUT_HINT
+        assert share > CUT_HINT and f"{share:.0%} of the assistant tokens" in err
     m, _ = _prepare(tmp_path, "drop", [LONG, THREE], smollm2_dir, rows="turn", max_length=64, overflow="drop")
     assert m["counts"]["supervised_tokens_cut"] == everything - m["splits"]["train"]["supervised_tokens"]
     assert cut_hint(10, 90, 64) is None and "max_length=64" in (cut_hint(11, 89, 64) or "")
