@@ -9,7 +9,7 @@ evaluation prompts), prepares the data, captures once, trains every variant on t
 exports it. `--pick-best` chooses, among the variants given so far, the one with the highest held-out
 simulated acceptance length; `--variant-of-best NAME:k=v` then trains that one with k=v changed.
 `--regenerate` first rewrites the training conversations with the target's own greedy answers
-(transformers generate on the GPU). `--fit-disk` (the full budget) keeps as many conversations as the
+(the hf engine's CUDA-graph decode loop on the GPU). `--fit-disk` (the full budget) keeps as many conversations as the
 capture store can hold on this disk. Each variant can be decoded on the GPU with the reference
 decoder (`--eval-prompts N`, K = 3, greedy); the returned draft (`--return`) is split into 15 MB parts
 under OUT for evaluation in vLLM on another machine: `python benchmarks/quality.py --draft DIR`.
@@ -60,7 +60,12 @@ def main() -> None:
     ap.add_argument("--regenerate", action="store_true")
     ap.add_argument("--regen-max-new-tokens", type=int, default=384)
     ap.add_argument("--regen-max-turns", type=int, default=2)
-    ap.add_argument("--regen-batch", type=int, default=1024, help="requests per generate batch")
+    ap.add_argument(
+        "--regen-batch",
+        type=int,
+        default=1024,
+        help="decode slots of the hf engine (requests per batch where it falls back to generate)",
+    )
     ap.add_argument("--regen-chunk", type=int, default=2048, help="conversations per chunk (the resumption unit)")
     ap.add_argument("--fit-disk", action="store_true", help="limit the data to what the capture store can hold here")
     ap.add_argument("--disk-margin-gb", type=float, default=6.0)
