@@ -21,8 +21,11 @@
 #   or, after `stage`: [REGEN_ARGS=--regen-stream] bash benchmarks/h200_curve.sh regenall  (every training
 #                      conversation, in the background; REGEN_ARGS go to learning_curve.py;
 #                      it returns them as regen.tar.xz.*: keep them in .dev/c for `reuse`)
-#   or, after `stage`: bash benchmarks/h200_curve.sh stagedata (carry .dev/c), then
+#   or, after `stage`: bash benchmarks/h200_curve.sh stagedata (carry .dev/c alone: all of ShareGPT is 9.0 MB,
+#                      which fits beside neither .dev/a nor .dev/b in one call's 64 MiB), then
 #                      bash benchmarks/h200_curve.sh reuse "[A=]RECIPE [B=RECIPE]" TOKENS, then `finish` until done
+#                      (a RECIPE's data=regen+sM first samples M answers per turn for every carried
+#                      conversation in the run, ~9 minutes on an H200, then trains on both sets)
 #   then, warm:        [WAIT_SECONDS=560] bash benchmarks/h200_curve.sh waitdata  (if it is not done yet)
 #   then, warm:        [WAIT_SECONDS=300] bash benchmarks/h200_curve.sh same data=regen,RECIPE TOKENS
 # Locally: cat the draft-*.tar.* parts, untar, and measure in vLLM with benchmarks/quality.py --draft.

@@ -24,8 +24,8 @@ Phases (each reuses what an earlier call left in --work, so consecutive device c
   --equal-epochs epochs, the recipe; decoded with the reference decoder; its draft can be returned.
   A recipe's max_length=N, epochs=E and data=regen|regen+sM change that run alone (ablations: the
   same conversations with the target's greedy answers, or those plus M sampled answers per turn).
-- curve: one long run of the recipe, held-out simulated acceptance every --curve-points-th of the
-  run, the reference decoder (K = 3, greedy) at --ref-points checkpoints; curve.png and the JSON.
+- curve: one long run of the recipe (data=regen|regen+sM|human|all), held-out simulated acceptance
+  every --curve-points-th of the run, the reference decoder (K = 3, greedy) at --ref-points checkpoints; curve.png and the JSON.
 
 `--return NAME` tars export-NAME into 15 MB parts under OUT (one draft per call: the device returns
 64 MiB); evaluate it in vLLM elsewhere with `python benchmarks/quality.py --draft DIR`.
@@ -242,18 +242,52 @@ def regen_train(b: Bench, train_path: Path) -> int:
 # ---- training ----------------------------------------------------------------------------------------
 
 
+def sampled_count(kind: str) -> int:
+    """M of a `regen+sM` data choice (the greedy answers plus M sampled ones per turn); 0 otherwise."""
+    m = kind[7:] if kind.startswith("regen+s") else ""
+    return int(m) if m.isdigit() and int(m) >= 1 else 0
+
+
+def data_source(b: Bench, kind: str) -> list[Path]:
+    """A curve run's conversations: the target-written set (`regen`), ShareGPT's answers (`human`,
+    `all`), or the target-written set plus M answers per turn sampled here for every one of its
+    conversations (`regen+sM`: about as long as the greedy set took, ~9 minutes on an H200 for all of
+    ShareGPT; it needs `regenall` or `stagedata` first)."""
+    if kind == "regen":
+        return regen_files(b)
+    if kind in ("human", "all"):
+        return [b.w / "split" / "train.json"]
+    m, a = sampled_count(kind), b.args
+    if not m or a.regen_temperature <= 0:
+        raise SystemExit(
+            f"data={kind}: regen (target-written), regen+sM (those plus M >= 1 sampled answers per turn, "
+            "--regen-temperature > 0), human (the same conversations' ShareGPT answers) "
+            "or all (every training conversation's ShareGPT answers)"
+        )
+    rest = b.w / "split" / "train_rest.json"
+    if regen_files(b) != [b.w / "regen-rest" / "messages.jsonl"] or not rest.exists():
+        raise SystemExit(f"data={kind} needs the target-written set from `--regen-pilot 0` (regenall or stagedata)")
+    sampled = regen(
+        b,
+        f"regen-all-{kind}",
+        rest,
+        0,
+        a.regen_max_turns,
+        a.regen_max_new_tokens,
+        m,
+        a.regen_temperature,
+        side_cache_tokens(b),
+    )
+    return regen_files(b) + [sampled]
+
+
 def data_dir(b: Bench, over: dict) -> Path:
     """The training data a variant asks for (tokenized once per distinct choice)."""
     kind = over.get("data", "regen")
     ml, rows = over.get("max_length", b.args.max_length), over.get("rows")
-    if ml == b.args.max_length and rows is None and kind != "all":
+    if ml == b.args.max_length and rows is None and kind in ("regen", "human"):
         return b.w / f"data-{kind}"
-    if kind not in ("regen", "human", "all"):
-        raise SystemExit(
-            f"data={kind}: regen (target-written), human (the same conversations' ShareGPT answers) "
-            "or all (every training conversation's ShareGPT answers)"
-        )
-    src: list[Path] = regen_files(b) if kind == "regen" else [b.w / "split" / "train.json"]
+    src = data_source(b, kind)
     extra = {"rows": rows} if rows else {}
     return tokenize(
         b,
@@ -420,14 +454,14 @@ def equal_source(b: Bench, kind: str) -> tuple[list[Path], int | None]:
         )
     if kind == "regen":
         return [greedy], n
-    if kind.startswith("regen+s") and kind[7:].isdigit() and int(kind[7:]) >= 1 and a.regen_temperature > 0:
+    if sampled_count(kind) and a.regen_temperature > 0:
         first, head = b.w / f"train_first{n}.json", b.w / f"regen-first{n}.jsonl"  # this run's own folder
         if not first.exists():
             first.write_text(json.dumps(json.loads(train_path.read_text())[:n]))
         if not head.exists():  # the greedy answers of about the same conversations
             with greedy.open() as f:
                 head.write_text("".join(line for _, line in zip(range(n), f)))
-        m = int(kind[7:])
+        m = sampled_count(kind)
         # 2M KV-cache tokens (46 GB for SmolLM2) on an H200, 1M on an 80-GB card: the runs training
         # beside it keep the rest of the GPU
         sampled = regen(
@@ -618,8 +652,8 @@ def parallel(b: Bench) -> None:
         name, _, rest = spec.partition("=")
         phase, _, kv = rest.partition(":")
         over = parse_kv(kv)
-        if phase == "curve":
-            data_dir(b, over)  # tokenized once here, linked below
+        if phase == "curve" and not sampled_count(str(over.get("data", "regen"))):
+            data_dir(b, over)  # tokenized once here, linked below (sampled answers: in the run, past this call)
         w = b.w.parent / f"{b.w.name}-{name}"
         w.mkdir(exist_ok=True)
         for item in list(SHARED) + [d.name for d in b.w.glob("data-*")]:
@@ -672,6 +706,8 @@ def parallel(b: Bench) -> None:
             str(a.regen_max_new_tokens),
             "--regen-temperature",
             str(a.regen_temperature),
+            "--regen-chunk",  # a run's sampled pass (data=regen+sM) in one engine call, as regenall's
+            str(a.regen_chunk),
         ]
         log = open(b.w / f"run-{name}.log", "w")
         env = {**__import__("os").environ, "OMP_NUM_THREADS": "3", "PYTHONUNBUFFERED": "1"}

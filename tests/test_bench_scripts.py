@@ -69,3 +69,53 @@ def test_pack_draft_runs_no_shell_on_a_hostile_work_path(tmp_path, monkeypatch):
     with tarfile.open(joined) as t:
         t.extractall(tmp_path / "back", filter="data")
     assert (tmp_path / "back" / "export-a" / "model.safetensors").read_bytes() == payload
+
+
+def test_curve_run_samples_answers_for_every_target_written_conversation(tmp_path, monkeypatch, tiny_target):
+    """`data=regen+sM` in a learning-curve run (the full-budget measurement of greedy plus sampled
+    answers): M answers per turn are sampled for every conversation of the greedy set and trained on
+    beside it; data choices it cannot honour stop with a message instead of training on something else."""
+    import argparse
+    import json
+    import sys
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    sys.modules.pop("learning_curve", None)
+    import learning_curve as lc
+
+    assert [lc.sampled_count(k) for k in ("regen+s1", "regen+s3", "regen+s0", "regen+sx", "regen")] == [1, 3, 0, 0, 0]
+    args = argparse.Namespace(
+        work=tmp_path / "w", out=tmp_path / "out", device="cpu", regen_chunk=1000, regen_stream=False,
+        regen_max_turns=2, regen_max_new_tokens=6, regen_temperature=0.7, max_length=256,
+    )  # fmt: skip
+    b = lc.Bench(args)
+    b.target.symlink_to(tiny_target("llama"))
+    split = b.w / "split"
+    split.mkdir()
+    rest = split / "train_rest.json"
+    convs = [
+        {"conversations": [{"from": "human", "value": f"Q{i}?"}, {"from": "gpt", "value": "a"}]
+        + [{"from": "human", "value": "More?"}, {"from": "gpt", "value": "b"}] * (i % 2)}
+        for i in range(4)
+    ]  # fmt: skip
+    rest.write_text(json.dumps(convs))
+    with pytest.raises(SystemExit, match="regenall or stagedata"):
+        lc.data_source(b, "regen+s1")
+    greedy = lc.regen(b, "regen-rest", rest, 0, 2, 6)
+    with pytest.raises(SystemExit, match="regen\\+sM"):
+        lc.data_source(b, "regen+s0")
+
+    files = lc.data_source(b, "regen+s1")
+    assert files[0] == greedy and files[1] == b.w / "regen-all-regen+s1" / "messages.jsonl"
+    answers = [
+        [[m["content"] for m in json.loads(line)["messages"] if m["role"] == "assistant"] for line in f.read_text().splitlines()]
+        for f in files
+    ]  # fmt: skip
+    assert [len(c) for c in answers[1]] == [len(c) for c in answers[0]] == [1, 2, 1, 2]
+    assert answers[1] != answers[0]  # sampled, not the greedy answers again
+    assert b.res["regen-all-regen+s1"]["generation"]["turns"] == 6
+
+    d = lc.data_dir(b, {"data": "regen+s1"})
+    assert d.name == "data-regen+s1-256-conv"
+    manifest = json.loads((d / "manifest.json").read_text())
+    assert manifest["counts"]["kept"] == 8  # both answer sets of the four conversations
