@@ -25,7 +25,8 @@ Phases (each reuses what an earlier call left in --work, so consecutive device c
   A recipe's max_length=N, epochs=E and data=regen|regen+sM change that run alone (ablations: the
   same conversations with the target's greedy answers, or those plus M sampled answers per turn).
 - curve: one long run of the recipe (data=regen|regen+sM|human|all), held-out simulated acceptance
-  every --curve-points-th of the run, the reference decoder (K = 3, greedy) at --ref-points checkpoints; curve.png and the JSON.
+  every --curve-points-th of the run, the reference decoder (K = 3, greedy) at --ref-points
+  checkpoints; curve.png and the JSON.
 
 `--return NAME` tars export-NAME into 15 MB parts under OUT (one draft per call: the device returns
 64 MiB); evaluate it in vLLM elsewhere with `python benchmarks/quality.py --draft DIR`.
