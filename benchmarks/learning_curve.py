@@ -249,6 +249,27 @@ def sampled_count(kind: str) -> int:
     return int(m) if m.isdigit() and int(m) >= 1 else 0
 
 
+def greedy_set(b: Bench, kind: str) -> Path:
+    """The target's greedy answers from `--regen-pilot 0` (regenall, or stagedata's carried copy), which
+    data=regen and data=regen+sM train on; else stop with what to run first."""
+    greedy = b.w / "regen-rest" / "messages.jsonl"
+    if (b.w / "split" / "train_pilot.json").exists():  # regen-rest would start after the pilot's conversations
+        raise SystemExit(f"data={kind} needs regen-rest from `--regen-pilot 0` (regenall or stagedata)")
+    if not (b.w / "regen-rest" / "manifest.json").exists():  # written when regeneration is done
+        raise SystemExit(f"data={kind} needs the target-written set first ({greedy} is missing): regenall or stagedata")
+    return greedy
+
+
+def sample_answers(b: Bench, name: str, src: Path, m: int) -> Path:
+    """M answers per turn for src's conversations, sampled at --regen-temperature (data=regen+sM). The
+    KV cache is fixed, 2M tokens (46 GB for SmolLM2) on an H200, 1M on an 80-GB card, so runs training
+    beside it keep the rest of the GPU."""
+    a = b.args
+    return regen(
+        b, name, src, 0, a.regen_max_turns, a.regen_max_new_tokens, m, a.regen_temperature, side_cache_tokens(b)
+    )
+
+
 def data_source(b: Bench, kind: str) -> list[Path]:
     """A curve run's conversations: the target-written set (`regen`), ShareGPT's answers (`human`,
     `all`), or the target-written set plus M answers per turn sampled here for every one of its
@@ -265,21 +286,10 @@ def data_source(b: Bench, kind: str) -> list[Path]:
             "--regen-temperature > 0), human (the same conversations' ShareGPT answers) "
             "or all (every training conversation's ShareGPT answers)"
         )
-    rest = b.w / "split" / "train_rest.json"
-    if regen_files(b) != [b.w / "regen-rest" / "messages.jsonl"] or not rest.exists():
-        raise SystemExit(f"data={kind} needs the target-written set from `--regen-pilot 0` (regenall or stagedata)")
-    sampled = regen(
-        b,
-        f"regen-all-{kind}",
-        rest,
-        0,
-        a.regen_max_turns,
-        a.regen_max_new_tokens,
-        m,
-        a.regen_temperature,
-        side_cache_tokens(b),
-    )
-    return regen_files(b) + [sampled]
+    greedy, rest = greedy_set(b, kind), b.w / "split" / "train_rest.json"  # regen-rest's source, all of it
+    if not rest.exists():
+        raise SystemExit(f"data={kind} needs {rest}, the greedy set's conversations (regenall or stagedata)")
+    return [greedy, sample_answers(b, f"regen-all-{kind}", rest, m)]
 
 
 def data_dir(b: Bench, over: dict) -> Path:
@@ -445,14 +455,7 @@ def equal_source(b: Bench, kind: str) -> tuple[list[Path], int | None]:
     train_path, n = b.w / "split" / "train.json", a.equal_conversations
     if kind == "human":
         return [train_path], n
-    greedy = b.w / "regen-rest" / "messages.jsonl"
-    if (b.w / "split" / "train_pilot.json").exists():  # regen-rest would start after the pilot's conversations
-        raise SystemExit(f"data={kind} in an equal run needs regen-rest from `--regen-pilot 0` (regenall)")
-    if not (b.w / "regen-rest" / "manifest.json").exists():  # written when regeneration is done
-        raise SystemExit(
-            f"data={kind} in an equal run needs the target-written set first ({greedy} is missing): "
-            "`regenall` or `stagedata`"
-        )
+    greedy = greedy_set(b, kind)
     if kind == "regen":
         return [greedy], n
     if sampled_count(kind) and a.regen_temperature > 0:
@@ -462,21 +465,7 @@ def equal_source(b: Bench, kind: str) -> tuple[list[Path], int | None]:
         if not head.exists():  # the greedy answers of about the same conversations
             with greedy.open() as f:
                 head.write_text("".join(line for _, line in zip(range(n), f)))
-        m = sampled_count(kind)
-        # 2M KV-cache tokens (46 GB for SmolLM2) on an H200, 1M on an 80-GB card: the runs training
-        # beside it keep the rest of the GPU
-        sampled = regen(
-            b,
-            f"regen-equal-{kind}",
-            first,
-            0,
-            a.regen_max_turns,
-            a.regen_max_new_tokens,
-            m,
-            a.regen_temperature,
-            side_cache_tokens(b),
-        )
-        return [head, sampled], None
+        return [head, sample_answers(b, f"regen-equal-{kind}", first, sampled_count(kind))], None
     raise SystemExit(f"data={kind} in an equal run: human, regen or regen+sM (greedy plus M >= 1 sampled answers)")
 
 
