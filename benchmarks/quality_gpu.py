@@ -9,8 +9,8 @@ evaluation prompts), prepares the data, captures once, trains every variant on t
 exports it. `--pick-best` chooses, among the variants given so far, the one with the highest held-out
 simulated acceptance length; `--variant-of-best NAME:k=v` then trains that one with k=v changed.
 `--regenerate` first rewrites the training conversations with the target's own greedy answers
-(the hf engine's CUDA-graph decode loop on the GPU). `--fit-disk` (the full budget) keeps as many conversations as the
-capture store can hold on this disk. Each variant can be decoded on the GPU with the reference
+(the hf engine's CUDA-graph decode loop on the GPU). `--fit-disk` (the full budget) keeps as many
+conversations as the capture store can hold on this disk. Each variant can be decoded on the GPU with the reference
 decoder (`--eval-prompts N`, K = 3, greedy); the returned draft (`--return`) is split into 15 MB parts
 under OUT for evaluation in vLLM on another machine: `python benchmarks/quality.py --draft DIR`.
 Writes OUT/quality_gpu.json and prints a table.
