@@ -24,6 +24,7 @@ def test_gpu_example_is_the_measured_recipe():
     assert t.steps * t.batch_tokens == 1374 * 32768  # the 45M training tokens the docs report
     assert t.lr is None and default_lr(576, t.steps) == pytest.approx(2e-3)  # derived: the measured run's lr
     assert (r.max_turns, r.max_new_tokens, r.temperature) == (16, 384, 0.0)
+    assert (r.sampled, r.sampled_temperature) == (1, 0.7)  # greedy plus one sampled answer, as measured
     assert cfg.settings["data"].max_length == 2048 and cfg.settings["eval"].engine == "vllm"
     online, _ = train_mode(cfg, "unused")
     names = [s.name for s in enabled_stages(online, STAGES)]
@@ -51,6 +52,8 @@ def test_gpu_example_runs_end_to_end_when_shrunk(tmp_path):
     assert isinstance(outcomes, list)
     assert [o.name for o in outcomes] == ["regenerate", "data", "train", "export", "eval"]
     assert all(o.action == "ran" for o in outcomes)
+    regen = tmp_path / "run" / "regenerate"
+    assert (regen / "messages.jsonl").exists() and (regen / "sampled" / "messages.jsonl").exists()
     export = tmp_path / "run" / "export"
     assert (export / "config.json").exists() and (export / "model.safetensors").exists()
     assert (tmp_path / "run" / "eval" / "report.json").exists()
