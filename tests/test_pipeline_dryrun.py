@@ -106,3 +106,26 @@ def test_doctor_keeps_a_users_scratch_folder(tmp_path, capsys):
     rc, out = nestling(capsys, "doctor", "--scratch", tmp_path)
     assert rc == 1 and "[FAIL] dry run" in out and "is not empty and was not written by nestling" in out
     assert mine.read_text() == '[{"my": "data"}]' and sorted(p.name for p in tmp_path.iterdir()) == [mine.name]
+
+
+def test_dry_run_estimates_a_regenerating_run_on_builtin_inputs(tmp_path, tiny_target, sharegpt_path, capsys):
+    """A config as examples/gpu.yaml writes it (`builtin:sharegpt`, regenerate with a sampled pass):
+    the estimate counts the built-in file's conversations, every answer the data stage will read
+    (greedy + sampled), the regeneration's tokens at most, and says the dry answers undercount."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        f"target: {tiny_target('llama')}\ninputs: [builtin:sharegpt]\nrun_dir: {tmp_path / 'run'}\n"
+        "regenerate: {engine: hf, limit: 10, max_new_tokens: 64, max_turns: 2, dtype: float32, sampled: 1}\n"
+        "data: {max_length: 256, held_out: 0.2}\ncapture: {dtype: float32}\ntrain: {batch_tokens: 512, online: false}\n"
+        "eval: {engine: reference}\n"
+    )
+    rc, out = nestling(capsys, "run", cfg, "--dry-run")
+    assert rc == 0, out
+    report = json.loads((tmp_path / "run" / "dry-run" / "estimate.json").read_text())
+    rows = {r["stage"]: r for r in report["stages"]}
+    assert rows["regenerate"]["tokens"] == 10 * 2 * 2 * 64  # conversations x answers x turns x max_new_tokens
+    assert "at most 10 conversations x 2 answer(s) x 2 turns x 64 tokens" in rows["regenerate"]["note"]
+    assert "not scaled" in rows["regenerate"]["note"]
+    # the data stage reads a greedy and a sampled answer per conversation of regenerate's 10
+    assert "estimated: 20 conversations" in rows["data"]["note"] and "a lower bound" in rows["data"]["note"]
+    assert rows["data"]["tokens"] > 0 and "full run" in out

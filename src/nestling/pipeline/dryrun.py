@@ -21,7 +21,7 @@ from nestling.manifest import MANIFEST, atomic_write_json
 from nestling.outdir import free_bytes, mark
 from nestling.pipeline.settings import RunConfig
 from nestling.pipeline.run import claim_run_dir, clear_run, enabled_stages, resolve_paths, run_config
-from nestling.pipeline.stages import STAGES, Stage, train_mode
+from nestling.pipeline.stages import DRY_ANSWER_TOKENS, STAGES, Stage, train_mode
 from nestling.pipeline.state import read_progress, read_state
 from nestling.progress import format_bytes, format_duration, log
 
@@ -105,12 +105,31 @@ def _get(obj: Any, *names: str, default: Any = None) -> Any:
 
 
 def count_records(inputs: list[str], limit: int | None) -> int | None:
-    """Conversations the full data stage will read, counted with its own readers (no tokenizing)."""
+    """Conversations the full data stage will read, counted with its own readers (no tokenizing).
+    `builtin:` inputs count as the cached files they stand for."""
     try:
         from nestling.data.readers import read_input
     except ImportError:
         return None
-    return sum(len(read_input(Path(p), limit)[0]) for p in inputs)
+    from nestling.pipeline.settings import resolve_builtin
+
+    return sum(len(read_input(Path(resolve_builtin(p)), limit)[0]) for p in inputs)
+
+
+def answers_per_conversation(config: RunConfig) -> int:
+    """Records the data stage reads per input conversation: one, or with regenerate the n answers
+    plus the `sampled` pass's (each a record of its own)."""
+    r = config.settings.get("regenerate")
+    return 1 if r is None else int(_get(r, "n", default=1) or 1) + int(_get(r, "sampled", default=0) or 0)
+
+
+def input_conversations(config: RunConfig, limit: int | None) -> int | None:
+    """Input conversations the full run reads: regenerate's `limit` applies before the data stage's."""
+    if not config.inputs:
+        return None
+    r = config.settings.get("regenerate")
+    n = count_records(config.inputs, (_get(r, "limit") or None) if r is not None else limit)
+    return n if r is None or n is None else n * answers_per_conversation(config)
 
 
 def full_data_tokens(config: RunConfig, dry: dict[str, Measured], real_run_dir: Path) -> tuple[dict, str]:
@@ -128,7 +147,7 @@ def full_data_tokens(config: RunConfig, dry: dict[str, Measured], real_run_dir: 
     ds = config.settings.get("data")
     counts = dm.get("counts") or {}
     read = int(counts.get("read") or samples)
-    n_read = count_records(config.inputs, _get(ds, "limit")) if config.inputs else None
+    n_read = input_conversations(config, _get(ds, "limit"))
     # conversations kept per conversation read, as in the sample (drops: empty, too long, malformed)
     n = int(round((n_read if n_read is not None else read) * samples / max(read, 1)))
     held = float(_get(ds, "held_out", default=0.0) or 0.0)
@@ -143,7 +162,15 @@ def full_data_tokens(config: RunConfig, dry: dict[str, Measured], real_run_dir: 
     }
     if n_held:
         out["heldout"] = {"samples": n_held, "tokens": int(n_held * per), "supervised_tokens": int(n_held * per_sup)}
-    return out, f"estimated: {n:,} conversations x the {samples} sampled"
+    how = f"estimated: {n:,} conversations x the {samples} sampled"
+    if config.settings.get("regenerate") is not None:  # the dry run's answers are short: tokens undercount
+        r = config.settings["regenerate"]
+        how += (
+            f" (with the dry run's answers, <= {DRY_ANSWER_TOKENS} tokens in 1 turn, where the full run's reach "
+            f"{_get(r, 'max_new_tokens')} tokens x {_get(r, 'max_turns') or 'all'} turns: a lower bound "
+            "until the data stage has run)"
+        )
+    return out, how
 
 
 def estimate(
@@ -201,9 +228,34 @@ def estimate(
             if engine == "reference" and _get(dry_s, "engine") == "both":
                 secs /= 2  # the dry run also loaded vLLM
             out.append(Estimate("eval", work, m.disk_bytes, secs, f"{full_n} prompts x {full_new} new tokens"))
+        elif stage.name == "regenerate":
+            out.append(regenerate_estimate(config, m, s))
         else:
             out.append(Estimate(stage.name, m.tokens, m.disk_bytes, m.wall_s, "as measured"))
     return out
+
+
+def regenerate_estimate(config: RunConfig, m: Measured, s: Any) -> Estimate:
+    """The regeneration's answer tokens at most (conversations x answers x turns x max_new_tokens).
+    Its time is the dry run's, unscaled: two conversations decode one at a time, where the full pass
+    decodes hundreds at once, so their rate says nothing of its time."""
+    n = count_records(config.inputs, _get(s, "limit") or None) if config.inputs else None
+    answers, turns, cap = answers_per_conversation(config), int(_get(s, "max_turns") or 0), _get(s, "max_new_tokens")
+    if n is None:
+        return Estimate("regenerate", m.tokens, m.disk_bytes, m.wall_s, "as measured (the inputs are not countable)")
+    most = n * answers * turns * int(cap) if turns else 0
+    what = (
+        f"at most {n:,} conversations x {answers} answer(s) x {turns} turns x {cap} tokens"
+        if turns
+        else (f"{n:,} conversations x {answers} answer(s), every turn (max_turns 0) x <= {cap} tokens")
+    )
+    return Estimate(
+        "regenerate",
+        most,
+        m.disk_bytes,
+        m.wall_s,
+        f"{what}; time: the dry run's, not scaled (the full pass is batched)",
+    )
 
 
 def _train_disk(m: Measured, s: Any, steps: int | None, work: int) -> int:

@@ -138,8 +138,11 @@ def _vllm_installed() -> bool:
 
 
 # Dry-run settings: two samples, one batch, one step, one short generation per engine.
+DRY_ANSWER_TOKENS = 16  # the dry run's regenerated answers: 2 conversations, 1 turn, this many tokens
+
+
 def _dry_regenerate(s: Any) -> Any:
-    return dataclasses.replace(s, limit=2, max_new_tokens=16, max_turns=1)
+    return dataclasses.replace(s, limit=2, max_new_tokens=DRY_ANSWER_TOKENS, max_turns=1)
 
 
 def _dry_data(s: Any) -> Any:
