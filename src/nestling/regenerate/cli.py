@@ -21,7 +21,8 @@ kept + failed + skipped = read). Interrupted runs continue where they stopped wh
 sampled=M adds M sampled answers per conversation (at sampled_temperature, 0.7) in DIR/sampled/,
 besides the greedy ones: twice the target-written text from the same prompts, which measured
 +0.18-0.23 tokens per target forward over ShareGPT's own answers on SmolLM2, +0.22 over the greedy
-answers alone (docs/regenerate.md). Train on both:
+answers alone at 2,000 conversations, +0.07-0.09 on all of ShareGPT at 45M training tokens
+(examples/gpu.yaml sets it; docs/regenerate.md). Train on both:
   nestling data DIR/messages.jsonl DIR/sampled/messages.jsonl --target MODEL --out DATA
 (`nestling run` does this by itself when its regenerate: section says sampled: 1).
 

@@ -29,8 +29,9 @@ class RegenerateSettings:
     # besides those answers, this many more per conversation sampled at sampled_temperature (seeded
     # apart from the main pass), written to OUT/sampled/ (SAMPLED); `nestling run`'s data stage reads
     # both. Greedy plus one sampled answer per turn measured +0.18-0.23 tokens per target forward over
-    # ShareGPT's own answers (+0.22 over greedy alone) in vLLM at equal conversations (docs/regenerate.md):
-    # twice the target-written text from the same prompts, at twice the regeneration time
+    # ShareGPT's own answers (+0.22 over greedy alone) in vLLM at equal conversations, +0.07-0.09 over
+    # greedy alone at examples/gpu.yaml's budget, which sets it (docs/regenerate.md): twice the
+    # target-written text from the same prompts, at twice the regeneration time
     sampled: int = 0
     sampled_temperature: float = 0.7
     reasoning: Reasoning = "keep"  # keep / strip <think>..</think> from answers / disable thinking in the template
