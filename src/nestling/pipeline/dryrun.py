@@ -237,25 +237,22 @@ def estimate(
 
 def regenerate_estimate(config: RunConfig, m: Measured, s: Any) -> Estimate:
     """The regeneration's answer tokens at most (conversations x answers x turns x max_new_tokens).
-    Its time is the dry run's, unscaled: two conversations decode one at a time, where the full pass
-    decodes hundreds at once, so their rate says nothing of its time."""
+    Its time is the dry run's, unscaled: two conversations leave a batched decoder nearly idle, where
+    the full pass keeps hundreds in flight, so their rate says nothing of its time."""
     n = count_records(config.inputs, _get(s, "limit") or None) if config.inputs else None
-    answers, turns, cap = answers_per_conversation(config), int(_get(s, "max_turns") or 0), _get(s, "max_new_tokens")
     if n is None:
         return Estimate("regenerate", m.tokens, m.disk_bytes, m.wall_s, "as measured (the inputs are not countable)")
-    most = n * answers * turns * int(cap) if turns else 0
-    what = (
-        f"at most {n:,} conversations x {answers} answer(s) x {turns} turns x {cap} tokens"
-        if turns
-        else (f"{n:,} conversations x {answers} answer(s), every turn (max_turns 0) x <= {cap} tokens")
+    answers, turns, cap = (
+        answers_per_conversation(config),
+        int(_get(s, "max_turns") or 0),
+        int(_get(s, "max_new_tokens")),
     )
-    return Estimate(
-        "regenerate",
-        most,
-        m.disk_bytes,
-        m.wall_s,
-        f"{what}; time: the dry run's, not scaled (the full pass is batched)",
-    )
+    if turns:  # max_turns 0 (every turn): no bound without counting each conversation's turns
+        most, what = n * answers * turns * cap, f"at most {n:,} conversations x {answers} answer(s) x {turns} turns"
+    else:
+        most, what = 0, f"{n:,} conversations x {answers} answer(s) x every turn"
+    note = f"{what} x {cap} tokens; time: the dry run's, not scaled (the full pass is batched)"
+    return Estimate("regenerate", most, m.disk_bytes, m.wall_s, note)
 
 
 def _train_disk(m: Measured, s: Any, steps: int | None, work: int) -> int:
