@@ -25,7 +25,9 @@
 #                      which fits beside neither .dev/a nor .dev/b in one call's 64 MiB), then
 #                      bash benchmarks/h200_curve.sh reuse "[A=]RECIPE [B=RECIPE]" TOKENS, then `finish` until done
 #                      (a RECIPE's data=regen+sM first samples M answers per turn for every carried
-#                      conversation in the run, ~9 minutes on an H200, then trains on both sets)
+#                      conversation in the run, ~9 minutes on an H200, then trains on both sets; `finish`
+#                      returns that sampled set as regen-all-regen_sM.tar.xz.*: keep it in .dev/c too, and
+#                      the next session's run trains at once)
 #   then, warm:        [WAIT_SECONDS=560] bash benchmarks/h200_curve.sh waitdata  (if it is not done yet)
 #   then, warm:        [WAIT_SECONDS=300] bash benchmarks/h200_curve.sh same data=regen,RECIPE TOKENS
 # Locally: cat the draft-*.tar.* parts, untar, and measure in vLLM with benchmarks/quality.py --draft.
@@ -78,16 +80,33 @@ pack_regen() {  # the target-written conversations, xz-compressed in 15 MiB part
   tar -C $W -cf - regen-rest/manifest.json regen-rest/messages.jsonl | xzpipe -z | split -b 15M -d - $RET/regen.tar.xz.
   ls -la $RET/regen.tar.xz.*; send
 }
-unpack_regen() {  # the target-written conversations `stagedata` staged, into $W (once; a marker after success)
+unpack_regen() {  # the target-written conversations `stagedata` staged, into $W (once each; a marker after success)
   mkdir -p $W
-  [ -f $W/regen-rest/.unpacked ] && return
-  cat $H/stage/regen/regen.tar.xz.* | xzpipe -d | tar -C $W -xf - && touch $W/regen-rest/.unpacked
+  if [ ! -f $W/regen-rest/.unpacked ]; then
+    cat $H/stage/regen/regen.tar.xz.* | xzpipe -d | tar -C $W -xf - && touch $W/regen-rest/.unpacked
+  fi
+  for p in $H/stage/regen/regen-all-*.tar.xz.00; do  # sampled sets (pack_sampled): a run reuses a matching one
+    [ -e "$p" ] || continue
+    m=$W/.unpacked-$(basename ${p%.tar.xz.00})
+    [ -f $m ] || { cat ${p%.00}.* | xzpipe -d | tar -C $W -xf - && touch $m; }
+  done
+}
+pack_sampled() {  # each run's finished sampled set (data=regen+sM: ~13 minutes of an H100 for all of ShareGPT),
+  # xz parts named without the `+`, so that a later session carries it (.dev/c, `stagedata`) instead of sampling
+  for d in $H/lc-*/regen-all-*; do
+    [ -f "$d/manifest.json" ] && [ ! -L "$d" ] || continue  # finished, and this run's own (not a link to $W)
+    n=$(basename $d); parts=$RET/${n//+/_}.tar.xz.
+    [ -n "$(ls $parts* 2>/dev/null)" ] && continue
+    tar -C $(dirname $d) -cf - $n/manifest.json $n/messages.jsonl | xzpipe -z | split -b 15M -d - $parts
+    ls -la $parts*
+  done
 }
 case "$1" in
 stage)
   mkdir -p $H/stage && cp .dev/a/* $H/stage/ && ls -la $H/stage ;;
-stagedata)  # after `stage` (carry .dev/c: the regen.tar.xz.* parts `regenall` returned)
-  mkdir -p $H/stage/regen && cp .dev/c/regen.tar.xz.* $H/stage/regen/ && ls -la $H/stage/regen ;;
+stagedata)  # after `stage` (carry .dev/c: the regen.tar.xz.* parts `regenall` returned, and the
+  # regen-all-*.tar.xz.* sampled sets `finish` returned, which a data=regen+sM run then uses instead of sampling)
+  mkdir -p $H/stage/regen && cp .dev/c/*.tar.xz.* $H/stage/regen/ && ls -la $H/stage/regen ;;
 reuse)  # after `stage` and `stagedata`: the carried target-written conversations instead of `regenall`,
   # then RECIPE for TOKENS training tokens in the background (tokenizing and training outlast one call);
   # `finish` (warm, as often as needed) returns the draft. RECIPE may be "A=RECIPE B=RECIPE": runs
@@ -206,6 +225,7 @@ finish)  # waits for the runs (at most 560 s per call: call again while they tra
   need $H/deadline "\`stage\`, then \`start\`, \`long\` or \`reuse\`"
   END=$(( $(cat $H/deadline) + 30 )); CAP=$(( $(date +%s) + 560 )); [ $END -gt $CAP ] && END=$CAP
   lc --out $RET --phase wait --wait-until $END --return best
+  pack_sampled
   send ;;
 waitruns|rest)  # warm, after a call that started runs: `waitruns [NAME]` first waits up to WAIT_SECONDS (560)
   # for runs that outlast it, `rest NAME` does not wait; both return NAME's equal draft (waitruns: by default

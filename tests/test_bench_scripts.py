@@ -119,3 +119,60 @@ def test_curve_run_samples_answers_for_every_target_written_conversation(tmp_pat
     assert d.name == "data-regen+s1-256-conv"
     manifest = json.loads((d / "manifest.json").read_text())
     assert manifest["counts"]["kept"] == 8  # both answer sets of the four conversations
+
+    # a later session: the sampled set comes back staged (only its manifest and messages, as
+    # pack_sampled packs it) into a fresh work folder, and the run trains on it without sampling again
+    import shutil
+
+    later = argparse.Namespace(**{**vars(args), "work": tmp_path / "w2"})
+    b2 = lc.Bench(later)
+    b2.target.symlink_to(tiny_target("llama"))
+    for item in ("split", "regen-rest"):
+        shutil.copytree(b.w / item, b2.w / item)
+    staged = b2.w / "regen-all-regen+s1"
+    staged.mkdir()
+    for f in ("manifest.json", "messages.jsonl"):
+        shutil.copy(b.w / "regen-all-regen+s1" / f, staged / f)
+    monkeypatch.setattr(lc, "regen", lambda *a, **k: pytest.fail("sampled again"))
+    assert lc.data_source(b2, "regen+s1") == [b2.w / "regen-rest" / "messages.jsonl", staged / "messages.jsonl"]
+    later.regen_temperature = 1.0  # a set sampled otherwise is refused, not trained on as if it were this one
+    with pytest.raises(SystemExit, match="remove it"):
+        lc.data_source(b2, "regen+s1")
+
+
+def test_sampled_sets_go_back_and_are_staged_again(tmp_path):
+    """`finish` packs a run's finished sampled set for the next session (pack_sampled), `stagedata` +
+    `unpack_regen` restore it in the work folder, where a data=regen+sM run finds it; a set still being
+    written (no manifest) stays behind."""
+    run_dir = tmp_path / "lc-s1" / "regen-all-regen+s1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "manifest.json").write_text('{"settings": {"n": 1}}')
+    (run_dir / "messages.jsonl").write_text('{"messages": []}\n' * 1000)
+    (run_dir / "state.json").write_text("{}")  # resume state: not needed later
+    (tmp_path / "lc-s2" / "regen-all-regen+s2").mkdir(parents=True)  # still sampling: no manifest
+    (tmp_path / "ret").mkdir()
+    env = {**os.environ, "H200_HOME": str(tmp_path), "OUT": str(tmp_path / "out")}
+
+    def call(fn: str) -> str:
+        r = subprocess.run(
+            ["bash", "-c", f'source benchmarks/h200_curve.sh ""; {fn}'],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    call("pack_sampled")
+    parts = sorted(p.name for p in (tmp_path / "ret").iterdir())
+    assert parts == ["regen-all-regen_s1.tar.xz.00"]  # no `+` in what travels back
+    stage = tmp_path / "stage" / "regen"
+    stage.mkdir(parents=True)
+    (tmp_path / "ret" / parts[0]).rename(stage / parts[0])
+    (tmp_path / "lc" / "regen-rest").mkdir(parents=True)
+    (tmp_path / "lc" / "regen-rest" / ".unpacked").touch()  # the greedy set: staged earlier
+    call("unpack_regen")
+    back = tmp_path / "lc" / "regen-all-regen+s1"
+    assert sorted(p.name for p in back.iterdir()) == ["manifest.json", "messages.jsonl"]
+    assert (back / "messages.jsonl").read_text() == (run_dir / "messages.jsonl").read_text()
