@@ -129,3 +129,19 @@ def test_dry_run_estimates_a_regenerating_run_on_builtin_inputs(tmp_path, tiny_t
     # the data stage reads a greedy and a sampled answer per conversation of regenerate's 10
     assert "estimated: 20 conversations" in rows["data"]["note"] and "a lower bound" in rows["data"]["note"]
     assert rows["data"]["tokens"] > 0 and "full run" in out
+
+
+def test_a_vllm_engine_without_vllm_fails_before_any_stage(cfg, tmp_path, capsys, monkeypatch):
+    """examples/gpu.yaml evaluates in vLLM, its last stage: on a machine without vLLM the run must say
+    so before regenerating and training for half an hour, and so must its dry run (whose own eval
+    falls back to the reference decoder)."""
+    from nestling.pipeline import stages
+
+    monkeypatch.setattr(stages, "_vllm_installed", lambda: False)  # a machine where vllm is not importable
+    for args in (["--dry-run"], []):
+        rc, out = nestling(capsys, "run", cfg, *args, "eval.engine=vllm")
+        assert rc == 1 and "eval.engine=vllm needs vLLM, which is not installed here" in out, out
+        assert "eval.engine=reference" in out and "Traceback" not in out
+        assert not (tmp_path / "run" / "data").exists() and not (tmp_path / "run" / "dry-run" / "data").exists()
+    rc, out = nestling(capsys, "run", cfg, "--until", "data", "eval.engine=reference")
+    assert rc == 0 and (tmp_path / "run" / "data" / "manifest.json").exists()  # the reference decoder needs no vLLM

@@ -21,7 +21,7 @@ from nestling.manifest import MANIFEST, atomic_write_json
 from nestling.outdir import free_bytes, mark
 from nestling.pipeline.settings import RunConfig
 from nestling.pipeline.run import claim_run_dir, clear_run, enabled_stages, resolve_paths, run_config
-from nestling.pipeline.stages import DRY_ANSWER_TOKENS, STAGES, Stage, train_mode
+from nestling.pipeline.stages import DRY_ANSWER_TOKENS, STAGES, Stage, check_engines, train_mode
 from nestling.pipeline.state import read_progress, read_state
 from nestling.progress import format_bytes, format_duration, log
 
@@ -56,6 +56,7 @@ def folder_bytes(path: Path) -> int:
 
 def preflight(config: RunConfig, target: str) -> None:
     """Checks that need only the config and the target's config.json: fail before any weights load."""
+    check_engines(config.settings)  # the full run's engines (the dry run's own fall back to reference)
     data, ev = config.settings.get("data"), config.settings.get("eval")
     if ev is not None and config.prompts is None and data is not None and not _get(data, "held_out", default=0.0):
         raise NestlingError(

