@@ -129,6 +129,8 @@ def test_dry_run_estimates_a_regenerating_run_on_builtin_inputs(tmp_path, tiny_t
     # the data stage reads a greedy and a sampled answer per conversation of regenerate's 10
     assert "estimated: 20 conversations" in rows["data"]["note"] and "a lower bound" in rows["data"]["note"]
     assert rows["data"]["tokens"] > 0 and "full run" in out
+    total = next(line for line in out.splitlines() if line.startswith("total"))
+    assert "time without regenerate" in total  # its unscaled seconds are not summed
 
 
 def test_a_vllm_engine_without_vllm_fails_before_any_stage(cfg, tmp_path, capsys, monkeypatch):
@@ -143,5 +145,29 @@ def test_a_vllm_engine_without_vllm_fails_before_any_stage(cfg, tmp_path, capsys
         assert rc == 1 and "eval.engine=vllm needs vLLM, which is not installed here" in out, out
         assert "eval.engine=reference" in out and "Traceback" not in out
         assert not (tmp_path / "run" / "data").exists() and not (tmp_path / "run" / "dry-run" / "data").exists()
-    rc, out = nestling(capsys, "run", cfg, "--until", "data", "eval.engine=reference")
-    assert rc == 0 and (tmp_path / "run" / "data" / "manifest.json").exists()  # the reference decoder needs no vLLM
+    rc, out = nestling(capsys, "run", cfg, "--until", "data", "eval.engine=vllm")
+    assert rc == 0 and (tmp_path / "run" / "data" / "manifest.json").exists()  # eval does not run: no vLLM needed
+
+
+def test_data_estimate_counts_every_answer_file_up_to_the_data_limit(tmp_path, tiny_target):
+    """With regenerate the data stage reads its greedy file (n rows per conversation) and its sampled
+    file, each cut at data.limit, so the estimate counts min(n x C, limit) + min(sampled x C, limit)."""
+    from nestling.pipeline.dryrun import input_conversations
+    from nestling.pipeline.settings import load_run_config
+    from nestling.pipeline.stages import STAGES
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]}) + "\n" for i in range(7)))
+    cfg = write_config(tmp_path, tiny_target("llama"), chats)
+
+    def count(*overrides: str) -> int | None:
+        return input_conversations(load_run_config(cfg, STAGES, list(overrides)), None)
+
+    assert count() == 7
+    assert count("regenerate.sampled=1") == 14
+    assert count("regenerate.sampled=1", "regenerate.limit=5") == 10
+    assert count("regenerate.sampled=1", "regenerate.n=3", "regenerate.temperature=0.7") == 28
+    c = load_run_config(cfg, STAGES, ["regenerate.sampled=1", "data.limit=5"])
+    assert input_conversations(c, 5) == 5 + 5  # the greedy file's 7 and the sampled file's 7, each cut at 5
+    c = load_run_config(cfg, STAGES, ["regenerate.sampled=1", "regenerate.n=2", "regenerate.temperature=0.7"])
+    assert input_conversations(c, 9) == 9 + 7  # 14 greedy rows cut at 9

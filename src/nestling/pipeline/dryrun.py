@@ -48,6 +48,7 @@ class Estimate:
     disk_bytes: int
     seconds: float
     note: str = ""
+    timed: bool = True  # False: `seconds` is the dry run's own, not an estimate (left out of the total)
 
 
 def folder_bytes(path: Path) -> int:
@@ -125,12 +126,19 @@ def answers_per_conversation(config: RunConfig) -> int:
 
 
 def input_conversations(config: RunConfig, limit: int | None) -> int | None:
-    """Input conversations the full run reads: regenerate's `limit` applies before the data stage's."""
+    """Records the full data stage reads. With regenerate: its conversations (its own `limit`) times
+    the answers in each of its files (n rows per conversation, then `sampled`), each file cut at the
+    data stage's `limit` as any input file is."""
     if not config.inputs:
         return None
     r = config.settings.get("regenerate")
-    n = count_records(config.inputs, (_get(r, "limit") or None) if r is not None else limit)
-    return n if r is None or n is None else n * answers_per_conversation(config)
+    if r is None:
+        return count_records(config.inputs, limit)
+    n = count_records(config.inputs, _get(r, "limit") or None)
+    if n is None:
+        return None
+    per_file = [int(_get(r, "n", default=1) or 1), int(_get(r, "sampled", default=0) or 0)]
+    return sum(min(k * n, limit) if limit else k * n for k in per_file)
 
 
 def full_data_tokens(config: RunConfig, dry: dict[str, Measured], real_run_dir: Path) -> tuple[dict, str]:
@@ -251,9 +259,9 @@ def regenerate_estimate(config: RunConfig, m: Measured, s: Any) -> Estimate:
     if turns:  # max_turns 0 (every turn): no bound without counting each conversation's turns
         most, what = n * answers * turns * cap, f"at most {n:,} conversations x {answers} answer(s) x {turns} turns"
     else:
-        most, what = 0, f"{n:,} conversations x {answers} answer(s) x every turn"
+        most, what = 0, f"{n:,} conversations x {answers} answer(s) x every turn (no bound)"
     note = f"{what} x {cap} tokens; time: the dry run's, not scaled (the full pass is batched)"
-    return Estimate("regenerate", most, m.disk_bytes, m.wall_s, note)
+    return Estimate("regenerate", most, m.disk_bytes, m.wall_s, note, timed=False)
 
 
 def _train_disk(m: Measured, s: Any, steps: int | None, work: int) -> int:
@@ -280,10 +288,11 @@ def format_estimates(ests: list[Estimate], free: int, where: Path) -> str:
             f"{e.stage:<11}{e.tokens:>14,}{format_bytes(e.disk_bytes):>12}{format_duration(e.seconds):>11}  {e.note}"
         )
     total_disk = sum(e.disk_bytes for e in ests)
-    total_s = sum(e.seconds for e in ests)
+    total_s = sum(e.seconds for e in ests if e.timed)
+    untimed = [e.stage for e in ests if not e.timed]
     lines.append(
         f"{'total':<11}{'':>14}{format_bytes(total_disk):>12}{format_duration(total_s):>11}  "
-        f"(free on {where}: {format_bytes(free)})"
+        f"(free on {where}: {format_bytes(free)})" + (f"; time without {', '.join(untimed)}" if untimed else "")
     )
     return "\n".join(lines)
 

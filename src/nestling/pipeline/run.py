@@ -175,8 +175,10 @@ def run_config(
     check_stage_names([from_stage] if from_stage else [], stages, "--from")
     check_stage_names(list(force), stages, "--force")
     check_stage_names([until] if until else [], stages, "--until")
+    enabled = [s.name for s in enabled_stages(config, stages)]
+    upto = enabled[: enabled.index(until) + 1] if until in enabled else enabled
+    check_engines({n: config.settings[n] for n in upto})  # before any asset is fetched; --until eval-less runs pass
     target, inputs, prompts = resolve_paths(config)
-    check_engines(config.settings)
     config, mode_note = train_mode(config, target)
     active = enabled_stages(config, stages)
     names = [s.name for s in active]
