@@ -94,11 +94,12 @@ unpack_regen() {  # the target-written conversations `stagedata` staged, into $W
 pack_sampled() {  # each run's finished sampled set (data=regen+sM: ~13 minutes of an H100 for all of ShareGPT),
   # xz parts named without the `+`, so that a later session carries it (.dev/c, `stagedata`) instead of sampling
   for d in $H/lc-*/regen-all-*; do
-    [ -f "$d/manifest.json" ] && [ ! -L "$d" ] || continue  # finished, and this run's own (not a link to $W)
+    # finished, this run's own (not a link to a staged set in $W), not packed by an earlier `finish`
+    [ -f "$d/manifest.json" ] && [ ! -L "$d" ] && [ ! -f "$d/.packed" ] || continue
     n=$(basename $d); parts=$RET/${n//+/_}.tar.xz.
-    [ -n "$(ls $parts* 2>/dev/null)" ] && continue
-    tar -C $(dirname $d) -cf - $n/manifest.json $n/messages.jsonl | xzpipe -z | split -b 15M -d - $parts
-    ls -la $parts*
+    # the manifest last: a cut-off archive leaves no manifest beside a cut-off messages file
+    tar -C $(dirname $d) -cf - $n/messages.jsonl $n/manifest.json | xzpipe -z | split -b 15M -d - $parts
+    touch $d/.packed; ls -la $parts*
   done
 }
 case "$1" in
@@ -221,9 +222,10 @@ long)  # after `stage`: ONE curve run of RECIPE in the background, training unti
     --phase parallel --deadline $D --reserve 60 --curve-points 12 --ref-points 0 \
     --eval-prompts 12 --eval-tokens 160 --run "long=curve:$2"
   lc --out $RET --phase wait --wait-until $((T0 + 570)) 2>&1 | tail -5 ;;
-finish)  # waits for the runs (at most 560 s per call: call again while they train), returns the best draft
+finish)  # waits for the runs (at most 530 s per call: call again while they train), returns the best draft
   need $H/deadline "\`stage\`, then \`start\`, \`long\` or \`reuse\`"
-  END=$(( $(cat $H/deadline) + 30 )); CAP=$(( $(date +%s) + 560 )); [ $END -gt $CAP ] && END=$CAP
+  # 530 s at most: pack_sampled may compress a sampled set (~100 MB of text) before `send`, all in 600 s
+  END=$(( $(cat $H/deadline) + 30 )); CAP=$(( $(date +%s) + 530 )); [ $END -gt $CAP ] && END=$CAP
   lc --out $RET --phase wait --wait-until $END --return best
   pack_sampled
   send ;;

@@ -262,12 +262,16 @@ def greedy_set(b: Bench, kind: str) -> Path:
 
 def staged_sample(b: Bench, name: str, m: int) -> Path | None:
     """A sampled set an earlier session wrote and `stagedata` carried back (its manifest and messages,
-    unpacked in the work folder): used as it is when it was sampled as this run asks, so a session can
-    spend its device time on training (~13 minutes of an H100 for all of ShareGPT otherwise)."""
+    unpacked in the work folder): used as it is when it was sampled as this run asks, from the same
+    conversations, so a session can spend its device time on training (~13 minutes of an H100 for
+    all of ShareGPT otherwise)."""
+    from nestling.manifest import hash_file
+
     out = b.w / name
     if not (out / "manifest.json").exists():
         return None
-    a, got = b.args, json.loads((out / "manifest.json").read_text()).get("settings") or {}
+    a, manifest = b.args, json.loads((out / "manifest.json").read_text())
+    got = manifest.get("settings") or {}
     want = {
         "n": m,
         "temperature": a.regen_temperature,
@@ -275,7 +279,13 @@ def staged_sample(b: Bench, name: str, m: int) -> Path | None:
         "max_new_tokens": a.regen_max_new_tokens,
     }
     if any(got.get(k) != v for k, v in want.items()):
-        raise SystemExit(f"{out} holds answers sampled with { ({k: got.get(k) for k in want}) }, not {want}: remove it")
+        found = {k: got.get(k) for k in want}
+        raise SystemExit(f"{out} holds answers sampled with {found}, not {want}: remove it")
+    src = b.w / "split" / "train_rest.json"  # the conversations the greedy set answers
+    if ((manifest.get("inputs") or {}).get("data") or {}).get("fingerprint") != hash_file(src):
+        raise SystemExit(f"{out} answers other conversations than {src}: remove it")
+    b.res[name] = {"counts": manifest["counts"], "generation": manifest["generation"], "staged": True}
+    b.save()
     print(f"[curve] {name}: the staged sampled set ({out / 'messages.jsonl'}), not sampled again", flush=True)
     return out / "messages.jsonl"
 
@@ -655,6 +665,17 @@ def plot_curve(c: dict, png: Path) -> None:
 SHARED = ("target", "split", "data-eval", "regen-eval", "regen-rest")  # prepared once, linked into every run's folder
 
 
+def run_folder(b: Bench, name: str) -> Path:
+    """A parallel run's own work folder, with what was prepared once linked in: the SHARED folders,
+    the tokenized data and the staged sampled sets (a data=regen+sM run uses a matching one)."""
+    w = b.w.parent / f"{b.w.name}-{name}"
+    w.mkdir(exist_ok=True)
+    for item in list(SHARED) + [d.name for d in [*b.w.glob("data-*"), *b.w.glob("regen-all-*")]]:
+        if (b.w / item).exists() and not (w / item).exists():
+            (w / item).symlink_to((b.w / item).resolve())
+    return w
+
+
 def parallel(b: Bench) -> None:
     """Start every --run NAME=PHASE:key=value,... as its own process sharing this GPU (a 135M target
     leaves an H200 mostly idle: one run is bound by kernel launches), in a new session so it outlives
@@ -667,11 +688,7 @@ def parallel(b: Bench) -> None:
         over = parse_kv(kv)
         if phase == "curve" and not sampled_count(str(over.get("data", "regen"))):
             data_dir(b, over)  # tokenized once here, linked below (sampled answers: in the run, past this call)
-        w = b.w.parent / f"{b.w.name}-{name}"
-        w.mkdir(exist_ok=True)
-        for item in list(SHARED) + [d.name for d in [*b.w.glob("data-*"), *b.w.glob("regen-all-*")]]:
-            if (b.w / item).exists() and not (w / item).exists():
-                (w / item).symlink_to((b.w / item).resolve())
+        w = run_folder(b, name)
         cmd = [
             sys.executable,
             __file__,

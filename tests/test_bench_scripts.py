@@ -135,8 +135,17 @@ def test_curve_run_samples_answers_for_every_target_written_conversation(tmp_pat
         shutil.copy(b.w / "regen-all-regen+s1" / f, staged / f)
     monkeypatch.setattr(lc, "regen", lambda *a, **k: pytest.fail("sampled again"))
     assert lc.data_source(b2, "regen+s1") == [b2.w / "regen-rest" / "messages.jsonl", staged / "messages.jsonl"]
+    assert b2.res["regen-all-regen+s1"]["staged"] and b2.res["regen-all-regen+s1"]["generation"]["turns"] == 6
+    # a parallel run's own folder (`{work}-{name}`) links the staged set in, and finds it there
+    child = lc.Bench(argparse.Namespace(**{**vars(later), "work": lc.run_folder(b2, "s1")}))
+    assert (child.w / "regen-all-regen+s1").is_symlink()
+    assert lc.data_source(child, "regen+s1")[1].resolve() == (staged / "messages.jsonl").resolve()
     later.regen_temperature = 1.0  # a set sampled otherwise is refused, not trained on as if it were this one
     with pytest.raises(SystemExit, match="remove it"):
+        lc.data_source(b2, "regen+s1")
+    later.regen_temperature = 0.7
+    (b2.w / "split" / "train_rest.json").write_text(json.dumps(convs[:3]))  # so is one of other conversations
+    with pytest.raises(SystemExit, match="other conversations"):
         lc.data_source(b2, "regen+s1")
 
 
@@ -169,7 +178,9 @@ def test_sampled_sets_go_back_and_are_staged_again(tmp_path):
     assert parts == ["regen-all-regen_s1.tar.xz.00"]  # no `+` in what travels back
     stage = tmp_path / "stage" / "regen"
     stage.mkdir(parents=True)
-    (tmp_path / "ret" / parts[0]).rename(stage / parts[0])
+    (tmp_path / "ret" / parts[0]).rename(stage / parts[0])  # what `send` and `stagedata` do
+    call("pack_sampled")  # the next `finish` does not send it again
+    assert not list((tmp_path / "ret").iterdir())
     (tmp_path / "lc" / "regen-rest").mkdir(parents=True)
     (tmp_path / "lc" / "regen-rest" / ".unpacked").touch()  # the greedy set: staged earlier
     call("unpack_regen")
