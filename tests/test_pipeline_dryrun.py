@@ -108,6 +108,7 @@ def test_doctor_keeps_a_users_scratch_folder(tmp_path, capsys):
     assert mine.read_text() == '[{"my": "data"}]' and sorted(p.name for p in tmp_path.iterdir()) == [mine.name]
 
 
+@pytest.mark.slow
 def test_dry_run_estimates_a_regenerating_run_on_builtin_inputs(tmp_path, tiny_target, sharegpt_path, capsys):
     """A config as examples/gpu.yaml writes it (`builtin:sharegpt`, regenerate with a sampled pass):
     the estimate counts the built-in file's conversations, every answer the data stage will read
