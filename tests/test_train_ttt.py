@@ -201,3 +201,21 @@ def test_mask_path_gradients_equal_concatenated_attention(layers):
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 5
     for n in grads[0]:
         torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-4, rtol=1e-4, msg=n)
+
+
+def test_flex_mask_reads_document_ids_only_inside_the_row():
+    """Flex kernels evaluate the mask on the padded tail of the last 128-wide block before discarding
+    it; the mask must not read `doc` there (an out-of-bounds load: the intermittent CUDA "unspecified
+    launch failure"), and inside the row it is the causal same-sample mask."""
+    from nestling.train.ttt import doc_causal_mask, flex_block_mask
+
+    L = 200  # not a multiple of 128: the kernel's grid runs to 256
+    doc = torch.zeros(2, L, dtype=torch.long)
+    doc[0, 70:] = 1
+    doc[1, 150:] = 3
+    mask_mod = flex_block_mask(doc).mask_mod
+    q, kv = torch.arange(256)[:, None], torch.arange(256)[None, :]
+    for b in range(2):
+        full = mask_mod(torch.tensor(b), torch.tensor(0), q, kv)  # the unguarded mask raised IndexError here
+        assert torch.equal(full[:L, :L], doc_causal_mask(doc)[b])
+        assert not full[:L, L:].any()  # no real query sees a padded key

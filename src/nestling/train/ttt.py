@@ -110,13 +110,19 @@ def _flex_attention():
 
 def flex_block_mask(doc: torch.Tensor):
     """The step-0 part of the mask (causal within a sample) as a flex block mask; fully masked blocks
-    are skipped, so packed rows cost less than a dense causal pass."""
+    are skipped, so packed rows cost less than a dense causal pass.
+
+    The indices are clamped into the row before `doc` is read: flex kernels evaluate the mask on the
+    padded tail of the last 128-wide block too, before discarding it, and an unguarded read there
+    lands past the end of `doc` (an illegal address where the tensor ends a mapping;
+    benchmarks/flex_mask_bounds.py). Clamped, those lanes read the row's last id; kv <= q still
+    keeps every padded key away from a real query."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, L = doc.shape
 
     def mask_mod(b, h, q, kv):
-        return (kv <= q) & (doc[b, kv] == doc[b, q])
+        return (kv <= q) & (doc[b, kv.clamp(max=L - 1)] == doc[b, q.clamp(max=L - 1)])
 
     return create_block_mask(mask_mod, B, None, L, L, device=doc.device)
 
