@@ -1,11 +1,11 @@
 """Does the compiled flex-attention kernel read the draft mask's document ids out of bounds? (CUDA)
 
-Why: training runs several times died with CUDA "unspecified launch failure" (an illegal address),
-always with several processes on one GPU, never alone. The draft's step-0 mask reads `doc[b, kv]`
-and `doc[b, q]` (train/ttt.py, flex_block_mask). Flex kernels work in 128-wide blocks and evaluate
-the mask on the padded tail of the last block too (indices up to the next multiple of 128) before
-they discard it, so an unguarded mask loads past the end of `doc`: mostly harmless inside the
-allocator's segment, fatal where the tensor ends a mapping (more likely when memory is tight).
+Why: the draft's step-0 mask reads `doc[b, kv]` and `doc[b, q]` (train/ttt.py, flex_block_mask).
+Flex kernels work in 128-wide blocks and evaluate the mask on the padded tail of the last block too
+(indices up to the next multiple of 128) before they discard it, so for a row length that is not a
+multiple of 128 an unguarded mask loads past the end of `doc`: mostly harmless inside the
+allocator's segment, an illegal address where the tensor ends a mapping. (Training on CUDA pads rows
+to batch_tokens, usually a multiple of 128; other lengths come with pad_to_budget=false.)
 
 What it does: for a row length that is not a multiple of 128, it compiles flex attention with the
 unguarded mask and with nestling's (indices clamped into the row), runs forward and backward, checks

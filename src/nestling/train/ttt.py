@@ -114,9 +114,9 @@ def flex_block_mask(doc: torch.Tensor):
 
     The indices are clamped into the row before `doc` is read: flex kernels evaluate the mask on the
     padded tail of the last 128-wide block too, before discarding it, and an unguarded read there
-    lands past the end of `doc` (an illegal address where the tensor ends a mapping;
-    benchmarks/flex_mask_bounds.py). Clamped, those lanes read the row's last id; kv <= q still
-    keeps every padded key away from a real query."""
+    lands past the end of `doc` when the row length is not a multiple of 128 (CUDA pads rows to
+    batch_tokens; benchmarks/flex_mask_bounds.py). Clamped, those lanes read the row's last id;
+    kv <= q still keeps every padded key away from a real query."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, L = doc.shape
