@@ -9,9 +9,10 @@ to batch_tokens, usually a multiple of 128; other lengths come with pad_to_budge
 
 What it does: for a row length that is not a multiple of 128, it compiles flex attention with the
 unguarded mask and with nestling's (indices clamped into the row), runs forward and backward, checks
-both give the same output, and prints the generated kernel's mask loads. Under `compute-sanitizer
---tool memcheck` with PYTORCH_NO_CUDA_MEMORY_CACHING=1 (every tensor its own allocation) the
-unguarded run reports the out-of-bounds reads and the guarded one none:
+both give the same output, and prints the generated kernel's unmasked loads. Under
+`compute-sanitizer --tool memcheck` with PYTORCH_NO_CUDA_MEMORY_CACHING=1 (every tensor its own
+allocation) an unguarded out-of-bounds read shows as an invalid global read; the guarded run should
+show none (not yet run on a GPU):
 
     python benchmarks/flex_mask_bounds.py [--variant both|unguarded|guarded] [--length 200]
 """

@@ -205,8 +205,8 @@ def test_mask_path_gradients_equal_concatenated_attention(layers):
 
 def test_flex_mask_reads_document_ids_only_inside_the_row():
     """Flex kernels evaluate the mask on the padded tail of the last 128-wide block before discarding
-    it; the mask must not read `doc` there (an out-of-bounds load: the intermittent CUDA "unspecified
-    launch failure"), and inside the row it is the causal same-sample mask."""
+    it; the mask must not read `doc` there (an out-of-bounds load where a row is not a multiple of
+    128 long), and inside the row it is the causal same-sample mask."""
     from nestling.train.ttt import doc_causal_mask, flex_block_mask
 
     L = 200  # not a multiple of 128: the kernel's grid runs to 256
