@@ -491,14 +491,15 @@ def equal_source(b: Bench, kind: str) -> tuple[list[Path], int | None]:
     greedy = greedy_set(b, kind)
     if kind == "regen":
         return [greedy], n
-    if sampled_count(kind) and a.regen_temperature > 0:
+    m = sampled_count(kind)
+    if m and a.regen_temperature > 0:
         first, head = b.w / f"train_first{n}.json", b.w / f"regen-first{n}.jsonl"  # this run's own folder
         if not first.exists():
             first.write_text(json.dumps(json.loads(train_path.read_text())[:n]))
         if not head.exists():  # the greedy answers of about the same conversations
             with greedy.open() as f:
                 head.write_text("".join(line for _, line in zip(range(n), f)))
-        return [head, sample_answers(b, f"regen-equal-{kind}", first, sampled_count(kind))], None
+        return [head, sample_answers(b, f"regen-equal-{kind}", first, m)], None
     raise SystemExit(f"data={kind} in an equal run: human, regen or regen+sM (greedy plus M >= 1 sampled answers)")
 
 

@@ -10,6 +10,7 @@ and fails when the run folder's disk cannot hold them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -110,25 +111,34 @@ def count_records(inputs: list[str], limit: int | None) -> int | None:
     """Conversations the full data stage will read, counted with its own readers (no tokenizing).
     `builtin:` inputs count as the cached files they stand for."""
     try:
-        from nestling.data.readers import read_input
+        from nestling.data.readers import read_input  # noqa: F401 (the count below reads with it)
     except ImportError:
         return None
     from nestling.pipeline.settings import resolve_builtin
 
-    return sum(len(read_input(Path(resolve_builtin(p)), limit)[0]) for p in inputs)
+    files = [Path(resolve_builtin(p)) for p in inputs]
+    return sum(_count_file(str(f), limit, f.stat().st_mtime_ns, f.stat().st_size) for f in files)
 
 
-def answers_per_conversation(config: RunConfig) -> int:
-    """Records the data stage reads per input conversation: one, or with regenerate the n answers
-    plus the `sampled` pass's (each a record of its own)."""
-    r = config.settings.get("regenerate")
-    return 1 if r is None else int(_get(r, "n", default=1) or 1) + int(_get(r, "sampled", default=0) or 0)
+@functools.lru_cache(maxsize=32)
+def _count_file(path: str, limit: int | None, mtime_ns: int, size: int) -> int:
+    """One file's records, read once per version of the file (a dry run estimates after capture and
+    again at the end, and the regenerate and data rows both count the inputs: all of ShareGPT takes
+    seconds to read)."""
+    from nestling.data.readers import read_input
+
+    return len(read_input(Path(path), limit)[0])
+
+
+def answer_files(r: Any) -> list[int]:
+    """Rows per input conversation in each file regenerate writes: its n answers, then the `sampled`
+    pass's (the data stage reads both, each record on its own)."""
+    return [int(_get(r, "n", default=1) or 1), int(_get(r, "sampled", default=0) or 0)]
 
 
 def input_conversations(config: RunConfig, limit: int | None) -> int | None:
     """Records the full data stage reads. With regenerate: its conversations (its own `limit`) times
-    the answers in each of its files (n rows per conversation, then `sampled`), each file cut at the
-    data stage's `limit` as any input file is."""
+    the rows in each of its files, each file cut at the data stage's `limit` as any input file is."""
     if not config.inputs:
         return None
     r = config.settings.get("regenerate")
@@ -137,8 +147,7 @@ def input_conversations(config: RunConfig, limit: int | None) -> int | None:
     n = count_records(config.inputs, _get(r, "limit") or None)
     if n is None:
         return None
-    per_file = [int(_get(r, "n", default=1) or 1), int(_get(r, "sampled", default=0) or 0)]
-    return sum(min(k * n, limit) if limit else k * n for k in per_file)
+    return sum(min(k * n, limit) if limit else k * n for k in answer_files(r))
 
 
 def full_data_tokens(config: RunConfig, dry: dict[str, Measured], real_run_dir: Path) -> tuple[dict, str]:
@@ -252,7 +261,7 @@ def regenerate_estimate(config: RunConfig, m: Measured, s: Any) -> Estimate:
     if n is None:
         return Estimate("regenerate", m.tokens, m.disk_bytes, m.wall_s, "as measured (the inputs are not countable)")
     answers, turns, cap = (
-        answers_per_conversation(config),
+        sum(answer_files(s)),
         int(_get(s, "max_turns") or 0),
         int(_get(s, "max_new_tokens")),
     )

