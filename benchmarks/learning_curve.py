@@ -113,7 +113,7 @@ def side_cache_tokens(cuda: bool, runs: int, total_memory: int) -> int:
     on a CPU or where the run has the GPU to itself; beside other runs a fixed cache, 2M tokens
     (46 GB for SmolLM2) on an H200, 1M on an 80-GB card, so that the others keep the rest. Alone,
     the engine took 2.0M tokens on an H100: the sampled pass over all of ShareGPT ran in 651 s
-    instead of 783 s at 1M (fewer, wider waves for the long histories)."""
+    instead of 784 s at 1M (fewer, wider waves for the long histories)."""
     if not cuda or runs <= 1:
         return 0
     return 2**21 if total_memory > 100 * 2**30 else 2**20

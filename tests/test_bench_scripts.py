@@ -152,7 +152,7 @@ def test_curve_run_samples_answers_for_every_target_written_conversation(tmp_pat
 def test_a_sampled_pass_alone_on_the_gpu_lets_the_engine_size_its_cache(monkeypatch):
     """A run's sampled pass beside other runs takes a fixed KV cache (they keep the rest of the GPU);
     alone, or on a CPU, it passes 0: the engine's own share of the free memory (2.0M tokens on an
-    H100 against the fixed 1M: the pass over all of ShareGPT took 651 s instead of 783 s)."""
+    H100 against the fixed 1M: the pass over all of ShareGPT took 651 s instead of 784 s)."""
     import sys
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
