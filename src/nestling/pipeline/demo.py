@@ -1,4 +1,4 @@
-"""`nestling demo`: the whole job on the embedded assets, on CPU, in at most 15 minutes on 2 cores.
+"""`nestling demo`: the whole job on the embedded assets, on CPU, in about 10 minutes on 2 cores.
 
 SmolLM2-135M-Instruct and ShareGPT come from the package index (nestling.assets; never a model hub).
 The config is the package's `configs/demo.yaml` (also in examples/), run by the ordinary pipeline,
