@@ -26,6 +26,7 @@ from nestling.train.feed import open_feed
 from nestling.train.inputs import Inputs, load_inputs
 from nestling.train.loop import run_steps
 from nestling.train.metrics import MetricsLog, plot
+from nestling.train.optim import cpu_bf16_matmul, muon_cpu_hint
 from nestling.train.plan import plan_run
 from nestling.train.settings import TrainSettings
 from nestling.train.timing import Clocks, Stopwatch
@@ -194,6 +195,9 @@ def _announce(run: Run, inp: Inputs) -> None:
     hint = passes_hint(plan.total * plan.microbatches / max(1, plan.train_stream.per_epoch()))
     if hint:
         log(hint)
+    slow = muon_cpu_hint(s.optimizer, str(run.device), cpu_bf16_matmul())
+    if slow:
+        log(slow)
     if plan.vocab_coverage < VOCAB_COVERAGE_HINT and plan.cfg.draft_vocab_size < plan.vocab_size:
         log(
             f"[train] the draft vocabulary leaves {100 * (1 - plan.vocab_coverage):.1f}% of the "
