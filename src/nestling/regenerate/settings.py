@@ -30,8 +30,8 @@ class RegenerateSettings:
     # apart from the main pass), written to OUT/sampled/ (SAMPLED); `nestling run`'s data stage reads
     # both. Greedy plus one sampled answer per turn measured +0.18-0.23 tokens per target forward over
     # ShareGPT's own answers (+0.22 over greedy alone) in vLLM at equal conversations, +0.07-0.09 over
-    # greedy alone on all of ShareGPT at 45M training tokens; examples/gpu.yaml sets it (docs/regenerate.md): twice the
-    # target-written text from the same prompts, at twice the regeneration time
+    # greedy alone on all of ShareGPT at 45M training tokens; examples/gpu.yaml sets it
+    # (docs/regenerate.md): twice the target-written text from the same prompts, at twice the regeneration time
     sampled: int = 0
     sampled_temperature: float = 0.7
     reasoning: Reasoning = "keep"  # keep / strip <think>..</think> from answers / disable thinking in the template

@@ -78,15 +78,19 @@ class Optimizers:
 
 
 def cpu_bf16_matmul() -> bool:
-    """Whether this CPU runs bf16 matmuls in hardware (AVX512_BF16 or AMX, as oneDNN reports it)."""
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether this CPU runs bf16 matmuls in hardware (AVX512_BF16 or AMX, as oneDNN reports it);
+    True where torch cannot say (no warning on a guess)."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True
 
 
-def muon_cpu_hint(optimizer: str, device: str, bf16_matmul: bool) -> str | None:
+def muon_cpu_hint(optimizer: str, device: str, bf16_matmul: Callable[[], bool] = cpu_bf16_matmul) -> str | None:
     """A warning where Muon will be slow: torch.optim.Muon runs its Newton-Schulz iterations in bf16,
     which a CPU without bf16 units computes on a slow path (the demo trained at 61 tok/s against 897
     with AdamW under oneDNN capped at AVX2; docs/train.md, Throughput)."""
-    if optimizer != "muon" or not str(device).startswith("cpu") or bf16_matmul:
+    if optimizer != "muon" or not str(device).startswith("cpu") or bf16_matmul():
         return None
     return (
         "[train] this CPU has no bf16 matmul units (oneDNN reports none; AVX2-only CPUs): torch's Muon runs its "

@@ -26,7 +26,7 @@ from nestling.train.feed import open_feed
 from nestling.train.inputs import Inputs, load_inputs
 from nestling.train.loop import run_steps
 from nestling.train.metrics import MetricsLog, plot
-from nestling.train.optim import cpu_bf16_matmul, muon_cpu_hint
+from nestling.train.optim import muon_cpu_hint
 from nestling.train.plan import plan_run
 from nestling.train.settings import TrainSettings
 from nestling.train.timing import Clocks, Stopwatch
@@ -195,7 +195,7 @@ def _announce(run: Run, inp: Inputs) -> None:
     hint = passes_hint(plan.total * plan.microbatches / max(1, plan.train_stream.per_epoch()))
     if hint:
         log(hint)
-    slow = muon_cpu_hint(s.optimizer, str(run.device), cpu_bf16_matmul())
+    slow = muon_cpu_hint(s.optimizer, str(run.device))  # asks the CPU only for Muon on a CPU
     if slow:
         log(slow)
     if plan.vocab_coverage < VOCAB_COVERAGE_HINT and plan.cfg.draft_vocab_size < plan.vocab_size:
