@@ -110,14 +110,13 @@ def _get(obj: Any, *names: str, default: Any = None) -> Any:
 def count_records(inputs: list[str], limit: int | None) -> int | None:
     """Conversations the full data stage will read, counted with its own readers (no tokenizing).
     `builtin:` inputs count as the cached files they stand for."""
-    try:
-        from nestling.data.readers import read_input  # noqa: F401 (the count below reads with it)
-    except ImportError:
-        return None
     from nestling.pipeline.settings import resolve_builtin
 
-    files = [Path(resolve_builtin(p)) for p in inputs]
-    return sum(_count_file(str(f), limit, f.stat().st_mtime_ns, f.stat().st_size) for f in files)
+    stats = [(f, f.stat()) for f in (Path(resolve_builtin(p)) for p in inputs)]
+    try:
+        return sum(_count_file(str(f), limit, st.st_mtime_ns, st.st_size) for f, st in stats)
+    except ImportError:  # the data stage's readers are missing: no count
+        return None
 
 
 @functools.lru_cache(maxsize=32)
