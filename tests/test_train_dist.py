@@ -81,3 +81,53 @@ def test_two_processes_equal_one_with_accumulation(capture, one_process, tmp_pat
     assert m2["world_size"] == 2 and m1["world_size"] == 1
     tol = 1e-3 if parallel == "fsdp" and recipe == "peer" else 1e-5
     torch.testing.assert_close(m1["final_eval"]["loss"], m2["final_eval"]["loss"], atol=tol, rtol=tol)
+
+
+SHUTDOWN_PROBE = """
+import gc, json, sys
+from nestling.train import dist
+from nestling.train.run import train
+from nestling.train.settings import TrainSettings
+
+seen = {}
+leave = dist.shutdown
+
+
+def shutdown(d):
+    fsdp = lambda: sum("FSDP" in type(o).__name__ for o in gc.get_objects())
+    seen["before"] = fsdp()
+    leave(d)
+    seen["after"] = fsdp()
+
+
+dist.shutdown = shutdown
+gc.disable()  # as if the collector had not run since the model was dropped
+train(sys.argv[1], sys.argv[2], TrainSettings(**json.loads(sys.argv[3])))
+print("probe", json.dumps(seen), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_the_process_group_goes_after_the_finished_models_fsdp_state(capture, tmp_path):
+    """The finished model's FSDP state is cyclic garbage that holds the process group; left for the
+    interpreter's teardown, gloo now and then aborted a finished run ("terminate called without an
+    active exception", CI on 6 Dec 2026). `dist.shutdown` collects it before leaving the group."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(SHUTDOWN_PROBE)
+    s = dict(steps=2, batch_tokens=48, draft_vocab_size=100, lr=3e-3, optimizer="adamw", parallel="fsdp")
+    s |= dict(eval_every=0, eval_batches=0, progress_interval=100.0)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    cmd = [torchrun, "--standalone", "--nproc-per-node=2", str(probe), str(capture), str(tmp_path / "o"), json.dumps(s)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    seen = [json.loads(x.split(" ", 1)[1]) for x in r.stdout.splitlines() if x.startswith("probe ")]
+    assert len(seen) == 2  # both ranks
+    assert all(x["before"] > 0 and x["after"] == 0 for x in seen), seen

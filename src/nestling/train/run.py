@@ -66,9 +66,8 @@ def train(
     try:
         with contextlib.ExitStack() as hold:
             manifest = _train(Path(capture_dir), out, s, resume, device, d, hold)
-        # every rank done before the group goes: a rank tearing it down while a peer's collective was
-        # in flight aborted at exit now and then (gloo + FSDP under load: "terminate called without an
-        # active exception"; tests/test_train_dist.py). Not on an error: the peer may never arrive.
+        # every rank done before the group goes (dist.shutdown says why it also collects garbage first).
+        # Not on an error: the peer may never arrive.
         dist.barrier(d)
         return manifest
     finally:
