@@ -3,6 +3,7 @@ the hidden states, equal step weights and the derived default lr, each on a tiny
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -275,21 +276,58 @@ def test_full_vocabulary_copy_of_a_frozen_head_draft(capture, tmp_path, monkeypa
         assert cfg["draft_vocab_size"] == 49152 == cfg["vocab_size"]
 
 
-def test_muon_on_a_cpu_without_bf16_units_says_adamw_is_faster():
-    """torch's Muon runs Newton-Schulz in bf16: on a CPU without bf16 units (oneDNN capped at AVX2
-    here) the demo trained at 61 tok/s against 897 with AdamW, so the trainer says so; nowhere else."""
-    from nestling.train.optim import cpu_bf16_matmul, muon_cpu_hint
+def _muon_steps(make, steps: int = 4, state: dict | None = None):
+    """Two matrices (one wide, one tall) stepped `steps` times on seeded gradients; `state`: an
+    optimizer state to load first."""
+    ps = [torch.nn.Parameter(torch.randn(24, 40, generator=torch.Generator().manual_seed(s))) for s in (1, 2)]
+    ps[1] = torch.nn.Parameter(ps[1].detach().reshape(40, 24).clone())
+    opt = make(ps)
+    if state is not None:
+        opt.load_state_dict(copy.deepcopy(state))  # loading keeps the given tensors, which steps change
+    for i in range(steps):
+        g = torch.Generator().manual_seed(100 + i)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return ps, opt
 
-    def no_units() -> bool:
-        return False
+
+def test_muon_in_bf16_is_torchs_muon_step_for_step():
+    """nestling's Muon with bf16 iterations (GPUs, CPUs with bf16 units) computes what torch.optim.Muon
+    does, bit for bit, and the two read each other's state (a checkpoint moves between them)."""
+    from nestling.train.muon import Muon
+
+    kw = dict(lr=2e-3, momentum=0.95, weight_decay=0.1, ns_steps=5)
+    theirs, t_opt = _muon_steps(lambda ps: torch.optim.Muon(ps, adjust_lr_fn="match_rms_adamw", **kw))
+    ours, o_opt = _muon_steps(lambda ps: Muon(ps, ns_dtype=torch.bfloat16, **kw))
+    assert all(torch.equal(a, b) for a, b in zip(theirs, ours))
+    # torch's state continued by ours equals torch continuing itself
+    cont_t, _ = _muon_steps(
+        lambda ps: torch.optim.Muon(ps, adjust_lr_fn="match_rms_adamw", **kw), 2, t_opt.state_dict()
+    )
+    cont_o, _ = _muon_steps(lambda ps: Muon(ps, ns_dtype=torch.bfloat16, **kw), 2, t_opt.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(cont_t, cont_o))
+
+
+def test_muon_orthogonalizes_in_float32_on_a_cpu_without_bf16_units(capture, tmp_path, capsys):
+    """torch's Muon iterates in bf16, which a CPU without bf16 units runs on a slow path (the demo
+    trained ~12x slower than with AdamW): there nestling's Muon iterates in float32, more exactly."""
+    from nestling.train.muon import orthogonalize
+    from nestling.train.optim import cpu_bf16_matmul, muon_ns_dtype
 
     def asked() -> bool:
-        raise AssertionError("the CPU is asked only for Muon on a CPU")
+        raise AssertionError("only a CPU is asked")
 
-    hint = muon_cpu_hint("muon", "cpu", no_units)
-    assert hint is not None and "optimizer=adamw" in hint and "bf16" in hint
-    assert muon_cpu_hint("muon", "cpu", lambda: True) is None  # bf16 units: Muon is fast
-    assert muon_cpu_hint("adamw", "cpu", asked) is None and muon_cpu_hint("muon", "cuda:0", asked) is None
-    assert muon_cpu_hint("muon", "cpu") is not None  # the real check, under the suite's AVX2 pin
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert muon_ns_dtype(cpu, lambda: False) == torch.float32
+    assert muon_ns_dtype(cpu, lambda: True) == torch.bfloat16 == muon_ns_dtype(cuda, asked)
     # the tests pin oneDNN to AVX2 (conftest), where its bf16 path is the slow one: the check sees it
     assert os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX2" and not cpu_bf16_matmul()
+    g = torch.randn(48, 80, generator=torch.Generator().manual_seed(0))
+    exact = orthogonalize(g.double(), 5, torch.float64)
+    err32 = (orthogonalize(g, 5, torch.float32) - exact).abs().max().item()
+    err16 = (orthogonalize(g, 5, torch.bfloat16).double() - exact).abs().max().item()
+    assert err32 < 1e-5 < 1e-3 < err16, (err32, err16)
+    # the trainer under the pin: float32 iterations, said once
+    train(capture, tmp_path / "m", TrainSettings(steps=2, optimizer="muon", eval_every=0, eval_batches=0, **TINY))
+    assert capsys.readouterr().err.count("Newton-Schulz iterations run in float32") == 1

@@ -1,6 +1,7 @@
 """The draft's optimizer: AdamW, or Muon for the hidden matrices plus AdamW for the rest.
 
-`optimizer=muon` follows speculators 0.9.0 (`speculators/train/optimizers.py`): torch.optim.Muon over
+`optimizer=muon` follows speculators 0.9.0 (`speculators/train/optimizers.py`): Muon (torch's, with the
+Newton-Schulz dtype chosen per device: muon.py) over
 every trainable 2-D weight with both sides > 1 except the embedding and lm_head (fc, q/k/v/o_proj,
 gate/up/down_proj), with momentum 0.95, weight decay 0.1, 5 Newton-Schulz steps and
 `adjust_lr_fn="match_rms_adamw"` (Muon's update scaled to AdamW's RMS, so one lr serves both); AdamW
@@ -14,10 +15,10 @@ from typing import Callable
 import torch
 from torch import nn
 
+from nestling.train.muon import Muon
 from nestling.train.settings import TrainSettings
 
 MUON_NS_STEPS = 5
-MUON_ADJUST_LR = "match_rms_adamw"
 ADAMW_ONLY = ("embed_tokens", "lm_head")  # 2-D, but Muon is for hidden matrices (Keller Jordan's rule)
 
 
@@ -86,17 +87,10 @@ def cpu_bf16_matmul() -> bool:
         return True
 
 
-def muon_cpu_hint(optimizer: str, device: str, bf16_matmul: Callable[[], bool] = cpu_bf16_matmul) -> str | None:
-    """A warning where Muon will be slow: torch.optim.Muon runs its Newton-Schulz iterations in bf16,
-    which a CPU without bf16 units computes on a slow path (the demo trained at 61 tok/s against 897
-    with AdamW under oneDNN capped at AVX2; docs/train.md, Throughput)."""
-    if optimizer != "muon" or not str(device).startswith("cpu") or bf16_matmul():
-        return None
-    return (
-        "[train] this CPU has no bf16 matmul units (oneDNN reports none; AVX2-only CPUs): torch's Muon runs its "
-        "Newton-Schulz iterations in bf16, which makes each step ~10x slower here; optimizer=adamw trains ~10x "
-        "faster (docs/train.md, Throughput)"
-    )
+def muon_ns_dtype(device: torch.device, bf16_matmul: Callable[[], bool] = cpu_bf16_matmul) -> torch.dtype:
+    """Where Muon orthogonalizes: bf16 (torch's choice) on GPUs and on CPUs with bf16 units, fp32 on a
+    CPU without them, where bf16 matmuls take a slow path (the demo trained ~12x slower; muon.py)."""
+    return torch.float32 if device.type == "cpu" and not bf16_matmul() else torch.bfloat16
 
 
 def _one_or_named(d: dict) -> dict:
@@ -119,13 +113,13 @@ def build_optimizer(
     muon, adamw = muon_split(named)
     parts: dict[str, torch.optim.Optimizer] = {}
     if muon:
-        parts["muon"] = torch.optim.Muon(
+        parts["muon"] = Muon(
             muon,
             lr=s.muon_lr if s.muon_lr is not None else lr,
             momentum=s.muon_momentum,
             weight_decay=s.muon_weight_decay,
             ns_steps=MUON_NS_STEPS,
-            adjust_lr_fn=MUON_ADJUST_LR,
+            ns_dtype=muon_ns_dtype(device),
         )
     if adamw:
         parts["adamw"] = torch.optim.AdamW(adamw, lr=lr, betas=betas, weight_decay=s.weight_decay, fused=fused)

@@ -26,7 +26,7 @@ from nestling.train.feed import open_feed
 from nestling.train.inputs import Inputs, load_inputs
 from nestling.train.loop import run_steps
 from nestling.train.metrics import MetricsLog, plot
-from nestling.train.optim import muon_cpu_hint
+from nestling.train.muon import Muon
 from nestling.train.plan import plan_run
 from nestling.train.settings import TrainSettings
 from nestling.train.timing import Clocks, Stopwatch
@@ -194,9 +194,9 @@ def _announce(run: Run, inp: Inputs) -> None:
     hint = passes_hint(plan.total * plan.microbatches / max(1, plan.train_stream.per_epoch()))
     if hint:
         log(hint)
-    slow = muon_cpu_hint(s.optimizer, str(run.device))  # asks the CPU only for Muon on a CPU
-    if slow:
-        log(slow)
+    muon = run.optimizer.parts.get("muon")
+    if isinstance(muon, Muon) and muon.ns_dtype != torch.bfloat16:
+        log("[train] Muon's Newton-Schulz iterations run in float32: this CPU has no bf16 matmul units (train/muon.py)")
     if plan.vocab_coverage < VOCAB_COVERAGE_HINT and plan.cfg.draft_vocab_size < plan.vocab_size:
         log(
             f"[train] the draft vocabulary leaves {100 * (1 - plan.vocab_coverage):.1f}% of the "
