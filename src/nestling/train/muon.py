@@ -59,7 +59,10 @@ class Muon(torch.optim.Muon):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                state = self.state[p]
+                if "momentum_buffer" not in state:  # torch's key: checkpoints move between the two
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - mu)
                 update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
                 update = orthogonalize(update, group["ns_steps"], self.ns_dtype, group["eps"], group["ns_coefficients"])
