@@ -232,6 +232,24 @@ def test_n_samples_are_distinct_and_repeat_on_a_rerun(uninterrupted, conversatio
     assert (tmp_path / "again" / "messages.jsonl").read_bytes() == (uninterrupted / "messages.jsonl").read_bytes()
 
 
+@pytest.mark.slow
+def test_shards_together_equal_one_run(uninterrupted, conversations, tiny_target, tmp_path):
+    """`shard=I/N` regenerates every N-th conversation from the I-th (N processes, one per GPU): the
+    shards' rows together are the one run's, sampled answers too (seeds follow the conversation)."""
+    from nestling.errors import NestlingError
+
+    rows = []
+    for part in range(2):
+        out = tmp_path / f"shard{part}"
+        m = regenerate(conversations, tiny_target("llama"), out, dataclasses.replace(_settings(), shard=f"{part}/2"))
+        assert m["counts"]["read"] == len(range(part, N_CONV, 2))
+        rows += _rows(out)
+    assert sorted(rows, key=lambda r: (r["source_index"], r["sample"])) == _rows(uninterrupted)
+    for bad in ("2/2", "1", "a/b", "-1/2"):
+        with pytest.raises(NestlingError, match="shard="):
+            regenerate(conversations, "/nowhere", tmp_path / "bad", dataclasses.replace(_settings(), shard=bad))
+
+
 def test_n_above_one_needs_sampling(conversations, tiny_target, tmp_path):
     from nestling.errors import NestlingError
 

@@ -293,6 +293,7 @@ def regenerate(
             f"sampled={s.sampled}, sampled_temperature={s.sampled_temperature}: sampled is 0 (off) or the number "
             "of extra sampled answers per conversation, and needs sampled_temperature > 0"
         )
+    shard_of(s.shard)  # a bad shard fails before the target loads
     target_dir = resolve_target(target)
     with outdir.claim(out, "regenerate", [("input file", input), ("target", target_dir), ("target", target)]):
         manifest = _regenerate(input, target_dir, out, s)
@@ -301,6 +302,16 @@ def regenerate(
             (out / SAMPLED).mkdir(exist_ok=True)
             manifest["sampled"] = _regenerate(input, target_dir, out / SAMPLED, sampled_pass(s))
         return manifest
+
+
+def shard_of(shard: str) -> tuple[int, int]:
+    """(I, N) of a `shard` setting "I/N" ((0, 1) for ""), checked."""
+    if not shard:
+        return 0, 1
+    i, _, n = shard.partition("/")
+    if not (i.isdigit() and n.isdigit() and 0 <= int(i) < int(n)):
+        raise NestlingError(f"shard={shard!r}: give I/N with 0 <= I < N (e.g. shard=0/8 ... shard=7/8), or none")
+    return int(i), int(n)
 
 
 def sampled_pass(s: RegenerateSettings) -> RegenerateSettings:
@@ -332,6 +343,8 @@ def _regenerate(input: Path, target_dir: Path, out: Path, s: RegenerateSettings)
     records = list(read_records(input))
     if s.limit:
         records = records[: s.limit]
+    part, parts = shard_of(s.shard)
+    records = records[part::parts]
     chunks = [records[i : i + s.chunk_size] for i in range(0, len(records), s.chunk_size)]
     todo = chunks[state["chunks_done"] :]
     if state["chunks_done"]:

@@ -38,6 +38,10 @@ class RegenerateSettings:
     max_model_len: int = 0  # prompt + answer limit; 0 = the target's max_position_embeddings
     max_turns: int = 0  # regenerate (and keep) only the first N assistant turns; 0 = all
     limit: int = 0  # only the first N input records; 0 = all
+    # "I/N": only the records whose index in the file (after `limit`) is I modulo N, for N processes
+    # side by side, one per GPU, each with its own --out (the hf engine runs on one GPU); the data stage
+    # then reads every shard's messages.jsonl (docs/regenerate.md, "Several GPUs"). "" = all
+    shard: str = ""
     # conversations per engine call, committed together (the unit of resumption); 0 = auto (engine.py)
     chunk_size: int = 0
     save_token_ids: bool = False  # also write the generated token ids of every turn (for checks)
@@ -79,6 +83,7 @@ OUTPUT_FIELDS = (
     "max_model_len",
     "max_turns",
     "limit",
+    "shard",
     "chunk_size",
     "save_token_ids",
 )
