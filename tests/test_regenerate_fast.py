@@ -233,7 +233,7 @@ def test_n_samples_are_distinct_and_repeat_on_a_rerun(uninterrupted, conversatio
 
 
 @pytest.mark.slow
-def test_shards_together_equal_one_run(uninterrupted, conversations, tiny_target, tmp_path):
+def test_shards_together_equal_one_run(uninterrupted, conversations, tiny_target, tmp_path, capsys):
     """`shard=I/N` regenerates every N-th conversation from the I-th (N processes, one per GPU): the
     shards' rows together are the one run's, sampled answers too (seeds follow the conversation)."""
     from nestling.errors import NestlingError
@@ -248,6 +248,10 @@ def test_shards_together_equal_one_run(uninterrupted, conversations, tiny_target
     for bad in ("2/2", "1", "a/b", "-1/2"):
         with pytest.raises(NestlingError, match="shard="):
             regenerate(conversations, "/nowhere", tmp_path / "bad", dataclasses.replace(_settings(), shard=bad))
+    from nestling.cli import main
+
+    argv = ["regenerate", str(conversations), "--target", "/nowhere", "--out", str(tmp_path / "bad"), "--shard", "3/2"]
+    assert main(argv) != 0 and "shard='3/2'" in capsys.readouterr().err  # the flag reaches the check
 
 
 def test_n_above_one_needs_sampling(conversations, tiny_target, tmp_path):

@@ -78,6 +78,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-turns", type=int, help="regenerate only the first N assistant turns (default 0 = all)")
     p.add_argument("--limit", type=int, help="only the first N input records (default 0 = all)")
+    p.add_argument(
+        "--shard",
+        metavar="I/N",
+        help="only the records whose index is I modulo N: one process per GPU, each with its own --out "
+        "(docs/regenerate.md, 'Several GPUs'; default all)",
+    )
     p.add_argument("--dtype", help="weights dtype for vllm/hf: auto, bfloat16, float16, float32 (default auto)")
     p.add_argument(
         "--device",
@@ -92,7 +98,7 @@ def _run(args: argparse.Namespace) -> int:
     from nestling.regenerate.run import regenerate
 
     flags: tuple[str, ...] = ("engine", "urls", "temperature", "n", "top_p", "top_k", "max_new_tokens", "max_model_len")
-    flags += ("reasoning", "max_turns", "limit", "dtype", "device")
+    flags += ("reasoning", "max_turns", "limit", "shard", "dtype", "device")
     s = settings_from_args(RegenerateSettings, args, flags)
     manifest = regenerate(args.input, args.target, args.out, s)
     c = manifest["counts"]
