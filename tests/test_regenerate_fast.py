@@ -254,6 +254,17 @@ def test_shards_together_equal_one_run(uninterrupted, conversations, tiny_target
     assert main(argv) != 0 and "shard='3/2'" in capsys.readouterr().err  # the flag reaches the check
 
 
+def test_a_folder_from_before_shards_keeps_its_fingerprint():
+    """`shard` joined the output settings later: unset it is left out of the fingerprint, so a folder
+    regenerated before it existed still resumes and still counts as finished; set, it counts."""
+    from nestling.regenerate.settings import OUTPUT_FIELDS, output_settings
+
+    before = [k for k in OUTPUT_FIELDS if k != "shard"]  # the output settings until 6 Dec 2026
+    s = RegenerateSettings(temperature=0.7, limit=5)
+    assert output_settings(s) == {k: getattr(s, k) for k in before}
+    assert output_settings(dataclasses.replace(s, shard="1/4"))["shard"] == "1/4"
+
+
 def test_n_above_one_needs_sampling(conversations, tiny_target, tmp_path):
     from nestling.errors import NestlingError
 

@@ -40,7 +40,7 @@ from nestling.regenerate.engine import (
 )
 from nestling.regenerate.journal import JOURNAL, Journal, Key, read_journal
 from nestling.regenerate.readers import Record, read_records
-from nestling.regenerate.settings import OUTPUT_FIELDS, SAMPLED, RegenerateSettings
+from nestling.regenerate.settings import SAMPLED, RegenerateSettings, output_settings
 
 MESSAGES = "messages.jsonl"
 FAILED = "failed.jsonl"
@@ -335,7 +335,7 @@ def _regenerate(input: Path, target_dir: Path, out: Path, s: RegenerateSettings)
     cfg_len = getattr(load_config(target_dir), "max_position_embeddings", None) or 4096
     max_len = s.max_model_len or cfg_len
     inputs = _inputs(input, target_dir, tokenizer)
-    fingerprint = hash_json({"inputs": inputs, "settings": {k: getattr(s, k) for k in OUTPUT_FIELDS}})
+    fingerprint = hash_json({"inputs": inputs, "settings": output_settings(s)})
     if (out / MANIFEST).exists():
         return _finished(out, fingerprint)
     state = _open_state(out, fingerprint)

@@ -87,3 +87,12 @@ OUTPUT_FIELDS = (
     "chunk_size",
     "save_token_ids",
 )
+# output fields added later, with the value that means "as before": left out of the fingerprint at that
+# value, so a folder written before they existed still resumes and still counts as finished
+ADDED_LATER = {"shard": ""}
+
+
+def output_settings(s: RegenerateSettings) -> dict:
+    """The settings a regeneration's output depends on (what its fingerprint hashes)."""
+    out = {k: getattr(s, k) for k in OUTPUT_FIELDS}
+    return {k: v for k, v in out.items() if not (k in ADDED_LATER and v == ADDED_LATER[k])}
