@@ -48,8 +48,10 @@ class Muon(torch.optim.Muon):
     """torch.optim.Muon (nesterov momentum, decoupled weight decay, `match_rms_adamw`) whose
     Newton-Schulz iterations run in `ns_dtype`."""
 
-    def __init__(self, params, *, ns_dtype: torch.dtype = torch.bfloat16, **kwargs) -> None:
-        super().__init__(params, **{"adjust_lr_fn": "match_rms_adamw", **kwargs})
+    def __init__(
+        self, params, *, ns_dtype: torch.dtype = torch.bfloat16, adjust_lr_fn: str | None = "match_rms_adamw", **kwargs
+    ) -> None:
+        super().__init__(params, adjust_lr_fn=adjust_lr_fn, **kwargs)
         self.ns_dtype = ns_dtype
 
     @torch.no_grad()
