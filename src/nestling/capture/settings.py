@@ -21,7 +21,10 @@ class CaptureSettings:
     `tensor_parallel_size` N splits every layer over N GPUs: the vllm backend's engines start their own
     workers; the hf backend runs under `torchrun --nproc-per-node N` (capture/tp.py). The vllm backend
     also reads `data_parallel_size`, `max_model_len` (None: the longest sample to capture) and
-    `vllm_kv_cache_gib` (the CPU build's KV cache size, VLLM_CPU_KVCACHE_SPACE).
+    `vllm_kv_cache_gib` (the CPU build's KV cache size, VLLM_CPU_KVCACHE_SPACE), and passes
+    `enable_expert_parallel` (a MoE target's experts spread whole over the TP ranks instead of sliced)
+    and `attention_backend` (vLLM's attention backend by name, e.g. CPU_MLA; None: vLLM's choice,
+    except float32 MLA on a CPU, which takes CPU_MLA) to the engine.
     """
 
     backend: Literal["hf", "vllm"] = "hf"
@@ -37,6 +40,8 @@ class CaptureSettings:
     data_parallel_size: int = 1
     max_model_len: int | None = None
     vllm_kv_cache_gib: int = 1
+    enable_expert_parallel: bool = False
+    attention_backend: str | None = None
     progress_interval: float = 5.0
 
     def __post_init__(self) -> None:

@@ -33,6 +33,8 @@ CONNECTOR = "NestlingHiddenStatesConnector"
 CONNECTOR_MODULE = "nestling.capture.vllm_connector"
 # model types built on vLLM's MLA attention (a config with kv_lora_rank is refused as MLA too)
 MLA_TYPES = {"deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "kimi_k2", "kimi_k25"}
+# kv_lora_rank + qk_rope_head_dim sizes vLLM 0.32's CPU MLA kernels are built for (mla_attention.py)
+CPU_MLA_LATENTS = {320, 512, 576}
 HF_HINT = (
     "use `--backend hf` instead (for a target spread over several GPUs: tensor parallel, `torchrun "
     "--nproc-per-node N -m nestling capture ... --tensor-parallel-size N`, or `device_map=auto`)"
@@ -71,33 +73,64 @@ def installed_vllm_version() -> str:
     return vllm.__version__
 
 
-def check_target(config: dict) -> None:
-    """Refuse targets this vLLM path cannot serve, before spending minutes loading them.
-
-    MLA attention (DeepSeek-V2/V3, Kimi-K2, the deepseek_v2 backbone), re-examined against vLLM 0.32's
-    source (docs/capture-vllm.md, "MLA targets"). What is no longer in the way: the final layer's output
-    is captured (`deepseek_v2.py` forward, `end_layer in aux_hidden_state_layers`, upstream #46973);
-    `kimi_k2` is in `is_deepseek_mla`'s allowlist (the #45764 gap is the `eagle` wrapper branch only);
-    the hidden-state cache lands in one KV cache group with MLA layers exactly as with full-attention
-    layers (`get_kv_cache_groups`' UniformTypeKVCacheSpecs path, kv_cache_utils.py:2189), where the connector finds it; the CPU
-    build has an MLA backend (CPU_MLA). What is: id 0 crashes in `DeepseekV2Model.forward` (`hidden_states
-    + residual` with `residual` still None before the first layer), and a full capture of a tiny
-    DeepSeek-V3 on the CPU build returns states that differ from transformers' from layer 1 on (0.17 max
-    abs at layer 1, 0.82 on the final state, values ~3.4; token 0 equal), cause not established, and no
-    GPU with vLLM to compare on. nestling's store promises the hf backend's states, so MLA stays refused.
-    """
+def _text(config: dict) -> tuple[dict, str]:
     text = config.get("text_config") or config
-    kind = text.get("model_type", config.get("model_type", "?"))
-    if text.get("kv_lora_rank") or kind in MLA_TYPES:
+    return text, str(text.get("model_type", config.get("model_type", "?")))
+
+
+def is_mla(config: dict) -> bool:
+    """MLA attention (the deepseek_v2 backbone: DeepSeek-V2/V3, Kimi-K2 and K2.5), by type or by config."""
+    text, kind = _text(config)
+    return bool(text.get("kv_lora_rank")) or kind in MLA_TYPES
+
+
+def check_target(config: dict) -> None:
+    """Refuse targets this vLLM path cannot capture, before spending minutes loading them.
+
+    MLA targets (DeepSeek-V2/V3, Kimi-K2 and K2.5) are captured: their states match transformers' to
+    float32 rounding (tests/test_capture_vllm.py; docs/capture-vllm.md, "MLA targets"). DeepSeek-V4 is
+    refused: its model-specific KV packing swallows the hidden-state cache (vLLM #53074). On a CPU,
+    `check_cpu_target` adds the limits of vLLM's CPU build.
+    """
+    text, kind = _text(config)
+    if kind == "deepseek_v4":
         raise NestlingError(
-            f"the vllm capture backend refuses {kind} targets (MLA attention): vLLM {TESTED_VLLM[0]}'s states for "
-            f"them do not match transformers'; measured on vLLM's CPU MLA backend, 0.17 max abs difference already "
-            f"at layer 1 of a tiny DeepSeek-V3; layer id 0 fails in vLLM's deepseek_v2 forward (residual is None "
-            f"before the first layer); DeepSeek-V4's hidden-state cache grouping is an open upstream bug (vLLM "
-            f"#53074); details in docs/capture-vllm.md. {HF_HINT[0].upper()}{HF_HINT[1:]}."
+            f"the vllm capture backend refuses {kind} targets: vLLM {TESTED_VLLM[0]} groups DeepSeek-V4's KV "
+            f"cache so that the hidden-state cache is lost (vLLM #53074); {HF_HINT}."
         )
     if config.get("is_encoder_decoder"):
         raise NestlingError(f"the vllm capture backend handles decoder-only targets, not {kind}; {HF_HINT}.")
+
+
+def check_cpu_target(config: dict) -> None:
+    """The limits of vLLM's CPU build for MLA targets (a GPU build has neither).
+
+    - Its MLA kernels (CPU_MLA, AMX_MLA) are built for latents of kv_lora_rank + qk_rope_head_dim in
+      CPU_MLA_LATENTS only ("Head dimension N is not supported by MLA" at load).
+    - Its rotary kernel (`_C.rotary_embedding`, csrc/cpu/pos_encoding.cpp) reads a [tokens, heads, dim]
+      query as one head per token row and ignores the strides of a sliced view; MLA hands it exactly
+      that (the rope part of q and of the latent), so plain rope comes out wrong from the second token
+      on (docs/capture-vllm.md). Scaled rope (yarn, as every released DeepSeek-V3 / Kimi checkpoint
+      sets it) runs vLLM's PyTorch rope and is exact.
+    """
+    if not is_mla(config):
+        return
+    text, kind = _text(config)
+    latent = int(text.get("kv_lora_rank") or 0) + int(text.get("qk_rope_head_dim") or 0)
+    if latent not in CPU_MLA_LATENTS:
+        raise NestlingError(
+            f"vLLM's CPU build runs MLA only with kv_lora_rank + qk_rope_head_dim in {sorted(CPU_MLA_LATENTS)} "
+            f"(DeepSeek-V3 and Kimi-K2 have 512 + 64 = 576); this {kind} target has {latent}. Capture it on a GPU "
+            f"with vLLM, or {HF_HINT}."
+        )
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) in (None, "default"):
+        raise NestlingError(
+            f"vLLM {TESTED_VLLM[0]}'s CPU build computes plain rope wrongly for MLA targets (its CPU rotary kernel "
+            f"takes the [tokens, heads, dim] query of MLA as one head per row; states differ from the second token "
+            f"on, docs/capture-vllm.md). This {kind} target sets no rope scaling; released DeepSeek-V3 and Kimi "
+            f"checkpoints use yarn, which vLLM computes exactly. Capture it on a GPU with vLLM, or {HF_HINT}."
+        )
 
 
 def final_norm(target: Path, config: dict) -> dict:
@@ -120,6 +153,25 @@ def final_norm(target: Path, config: dict) -> dict:
     return {"weight": w.tolist(), "eps": float(eps), "plus_one": kind.startswith("gemma")}
 
 
+def embedding_source(target: Path) -> dict:
+    """Where the connector reads the embedding rows it writes for id 0: the checkpoint file and tensor."""
+    from nestling.targets.load import head_tensor_names, tensor_file
+
+    name = head_tensor_names(target)["embed"]
+    return {"file": str(tensor_file(target, name)), "name": name}
+
+
+def _engine_settings(settings: CaptureSettings, config: dict) -> CaptureSettings:
+    """float32 MLA on a CPU runs on CPU_MLA: vLLM would pick AMX_MLA on CPUs with AMX tiles, which takes
+    bf16 weights only (it fails at load on float32 ones)."""
+    import dataclasses
+
+    if settings.attention_backend is None and settings.dtype == "float32" and _on_cpu(settings.device):
+        if is_mla(config):
+            return dataclasses.replace(settings, attention_backend="CPU_MLA")
+    return settings
+
+
 class VLLMBackend(Backend):
     """vLLM in-process; `fill(path, seqs, offsets)` makes the engine write rows into a shard file.
 
@@ -138,10 +190,12 @@ class VLLMBackend(Backend):
         target = Path(target)
         config = json.loads((target / "config.json").read_text())
         check_target(config)
+        if _on_cpu(settings.device):
+            check_cpu_target(config)
         text = config.get("text_config") or config
         self.n_layers = int(text["num_hidden_layers"])
         self.layer_ids = list(layer_ids)
-        vllm_layer_ids(self.layer_ids, self.n_layers)  # refuses ids the target does not have
+        engine_ids = vllm_layer_ids(self.layer_ids, self.n_layers)  # refuses ids the target does not have
         self.hidden_size = int(text["hidden_size"])
         self.dtype = getattr(torch, settings.dtype)
         self.device = torch.device("cpu")  # rows arrive in host files, never as device tensors
@@ -152,9 +206,15 @@ class VLLMBackend(Backend):
         extra = {"dtype": settings.dtype}
         if self.layer_ids[-1] == self.n_layers:
             extra["final_norm"] = final_norm(target, config)
+        if self.layer_ids[0] == 0 and is_mla(config):
+            # vLLM's deepseek_v2 backbone cannot return id 0 (it adds a residual that does not exist yet
+            # before the first layer); the connector writes those rows from the embedding table instead
+            engine_ids = engine_ids[1:]
+            extra["embed"] = embedding_source(target)
+        settings = _engine_settings(settings, config)
         dp = int(settings.data_parallel_size)
         if dp == 1:
-            self.engines = [_Engine(target, self.layer_ids, settings, self.max_model_len, extra)]
+            self.engines = [_Engine(target, engine_ids, settings, self.max_model_len, extra)]
         else:
             tp = int(settings.tensor_parallel_size)
             gpus = _visible_gpus() if not _on_cpu(settings.device) else []
@@ -165,7 +225,7 @@ class VLLMBackend(Backend):
             self.engines = [
                 _Replica(
                     target,
-                    self.layer_ids,
+                    engine_ids,
                     settings,
                     self.max_model_len,
                     extra,
@@ -298,10 +358,12 @@ class _Engine:
             max_num_batched_tokens=max(settings.token_budget, max_model_len),
             enforce_eager=on_cpu,
             seed=0,
+            enable_expert_parallel=bool(settings.enable_expert_parallel),
+            **({"attention_config": {"backend": settings.attention_backend}} if settings.attention_backend else {}),
             speculative_config={
                 "method": "extract_hidden_states",
                 "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": vllm_layer_ids(layer_ids)}},
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
             },
             kv_transfer_config={
                 "kv_connector": CONNECTOR,

@@ -18,6 +18,9 @@ Why this shape:
 - Only tensor-parallel rank 0 writes (every rank holds the same replicated hidden-state cache).
 - The final id arrives as the last layer's output before the final norm (vLLM's convention); when
   the main process passes the norm weight, we apply it here so the shard holds HF `hidden_states[L]`.
+- Id 0 (the embeddings) is one vLLM's deepseek_v2 backbone cannot return; for such targets the main
+  process leaves it out of the engine's ids and passes the embedding tensor's file (`embed`), and the
+  rows of id 0 are the embedding rows of the request's tokens, looked up here.
 
 Only vLLM's connector base class and its documented hooks are used; nothing from the scheduler,
 request or worker classes.
@@ -52,6 +55,7 @@ class Save:
     offset: int
     num_tokens: int
     block_ids: list[int]
+    token_ids: list[int] | None = None  # only where the connector writes id 0 from the embedding
 
 
 @dataclass
@@ -82,6 +86,8 @@ class NestlingHiddenStatesConnector(KVConnectorBase_V1):
                 float(norm["eps"]),
                 bool(norm.get("plus_one", False)),
             )
+        self._embed_source = extra.get("embed")
+        self._embed: torch.Tensor | None = None
         self._pending: list[Save] = []
         self._cache: torch.Tensor | None = None
         self._writer = True
@@ -132,6 +138,7 @@ class NestlingHiddenStatesConnector(KVConnectorBase_V1):
                     int(params[OFFSET]),
                     n,
                     list(req.block_ids[self._group]),
+                    list(req.prompt_token_ids) if self._embed_source else None,
                 )
             )
         return meta
@@ -190,12 +197,25 @@ class NestlingHiddenStatesConnector(KVConnectorBase_V1):
             slots = (blocks[:, None] * bs + torch.arange(bs)[None, :]).flatten()[: s.num_tokens]
             slots = slots.to(self._cache.device)
             rows = self._cache[slots // bs, :, slots % bs]  # [T, n_ids, hidden]
+            if self._embed_source is not None:
+                rows = torch.cat([self._embedding_rows(s.token_ids or []).to(rows)[:, None], rows], 1)
             if self._norm is not None:
                 w, eps, plus_one = self._norm
                 rows = rows.clone()
                 rows[:, -1] = apply_final_norm(rows[:, -1], w.to(rows.device), eps, plus_one)
             data = rows.to(self._out_dtype).cpu().contiguous().view(torch.uint8).numpy()
             self._pwrite(s.path, s.offset, memoryview(data).cast("B"))
+
+    def _embedding_rows(self, token_ids: list[int]) -> torch.Tensor:
+        """The embedding output of `token_ids` ([T, hidden]): rows of the checkpoint's embedding tensor,
+        in the engine's dtype (what vLLM's embedding layer returns), read once on first use."""
+        if self._embed is None:
+            from safetensors import safe_open
+
+            src = self._embed_source or {}
+            with safe_open(src["file"], "pt") as f:
+                self._embed = f.get_tensor(src["name"]).to(self._cache.dtype if self._cache is not None else None)
+        return self._embed[torch.tensor(token_ids, dtype=torch.long)]
 
     def _pwrite(self, path: str, offset: int, data: memoryview) -> None:
         fd = self._fds.get(path)

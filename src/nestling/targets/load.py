@@ -271,6 +271,15 @@ def _weight_map(target_dir: Path) -> dict[str, str]:
     return out
 
 
+def tensor_file(target: str | Path, name: str) -> Path:
+    """The safetensors file of the target that holds tensor `name`."""
+    target_dir = resolve_target(target)
+    wmap = _weight_map(target_dir)
+    if name not in wmap:
+        raise NestlingError(f"target {target_dir} has no tensor {name}")
+    return target_dir / wmap[name]
+
+
 def read_tensors(target: str | Path, names: list[str]) -> dict:
     """Read only the named tensors from the target's safetensors files (memory-mapped)."""
     from safetensors import safe_open

@@ -73,13 +73,29 @@ ARCH_CONFIGS: dict[str, dict] = {
         num_attention_heads=2,
         num_key_value_heads=2,
         q_lora_rank=64,
-        kv_lora_rank=32,
+        # MLA's latent as DeepSeek-V3 / Kimi-K2 ship it (512 + 64 = 576): vLLM's CPU MLA kernels are built
+        # for that size only (also 320 and 512), so a smaller latent is a model no engine serves.
+        kv_lora_rank=512,
         qk_nope_head_dim=32,
-        qk_rope_head_dim=32,
+        qk_rope_head_dim=64,
         v_head_dim=64,
-        max_position_embeddings=2048,
+        max_position_embeddings=163840,
         tie_word_embeddings=False,
         rope_interleave=True,
+        # routing and rope as the real checkpoints set them: sigmoid scores with the correction bias
+        # (without these keys vLLM routes by softmax and builds no bias), yarn-scaled rope
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=40.0,
+            original_max_position_embeddings=4096,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
     ),
     "gemma3": dict(
         model_type="gemma3_text",
