@@ -26,19 +26,10 @@ from nestling.capture.backend import Backend
 from nestling.capture.settings import CaptureSettings
 from nestling.errors import NestlingError
 from nestling.targets.layers import vllm_layer_ids
+from nestling.targets.vllm_rules import HF_HINT, TESTED_VLLM, attention_backend, check_cpu_target, is_mla, model_type
 
-# Versions this backend was tested against ([low, high)); docs/capture-vllm.md says the same.
-TESTED_VLLM = ("0.32.0", "0.33.0")
 CONNECTOR = "NestlingHiddenStatesConnector"
 CONNECTOR_MODULE = "nestling.capture.vllm_connector"
-# model types built on vLLM's MLA attention (a config with kv_lora_rank is refused as MLA too)
-MLA_TYPES = {"deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "kimi_k2", "kimi_k25"}
-# kv_lora_rank + qk_rope_head_dim sizes vLLM 0.32's CPU MLA kernels are built for (mla_attention.py)
-CPU_MLA_LATENTS = {320, 512, 576}
-HF_HINT = (
-    "use `--backend hf` instead (for a target spread over several GPUs: tensor parallel, `torchrun "
-    "--nproc-per-node N -m nestling capture ... --tensor-parallel-size N`, or `device_map=auto`)"
-)
 
 
 def check_vllm_version(version: str) -> None:
@@ -73,17 +64,6 @@ def installed_vllm_version() -> str:
     return vllm.__version__
 
 
-def _text(config: dict) -> tuple[dict, str]:
-    text = config.get("text_config") or config
-    return text, str(text.get("model_type", config.get("model_type", "?")))
-
-
-def is_mla(config: dict) -> bool:
-    """MLA attention (the deepseek_v2 backbone: DeepSeek-V2/V3, Kimi-K2 and K2.5), by type or by config."""
-    text, kind = _text(config)
-    return bool(text.get("kv_lora_rank")) or kind in MLA_TYPES
-
-
 def check_target(config: dict) -> None:
     """Refuse targets this vLLM path cannot capture, before spending minutes loading them.
 
@@ -92,7 +72,7 @@ def check_target(config: dict) -> None:
     refused: its model-specific KV packing swallows the hidden-state cache (vLLM #53074). On a CPU,
     `check_cpu_target` adds the limits of vLLM's CPU build.
     """
-    text, kind = _text(config)
+    kind = model_type(config)
     if kind == "deepseek_v4":
         raise NestlingError(
             f"the vllm capture backend refuses {kind} targets: vLLM {TESTED_VLLM[0]} groups DeepSeek-V4's KV "
@@ -100,37 +80,6 @@ def check_target(config: dict) -> None:
         )
     if config.get("is_encoder_decoder"):
         raise NestlingError(f"the vllm capture backend handles decoder-only targets, not {kind}; {HF_HINT}.")
-
-
-def check_cpu_target(config: dict) -> None:
-    """The limits of vLLM's CPU build for MLA targets (a GPU build has neither).
-
-    - Its MLA kernels (CPU_MLA, AMX_MLA) are built for latents of kv_lora_rank + qk_rope_head_dim in
-      CPU_MLA_LATENTS only ("Head dimension N is not supported by MLA" at load).
-    - Its rotary kernel (`_C.rotary_embedding`, csrc/cpu/pos_encoding.cpp) reads a [tokens, heads, dim]
-      query as one head per token row and ignores the strides of a sliced view; MLA hands it exactly
-      that (the rope part of q and of the latent), so plain rope comes out wrong from the second token
-      on (docs/capture-vllm.md). Scaled rope (yarn, as every released DeepSeek-V3 / Kimi checkpoint
-      sets it) runs vLLM's PyTorch rope and is exact.
-    """
-    if not is_mla(config):
-        return
-    text, kind = _text(config)
-    latent = int(text.get("kv_lora_rank") or 0) + int(text.get("qk_rope_head_dim") or 0)
-    if latent not in CPU_MLA_LATENTS:
-        raise NestlingError(
-            f"vLLM's CPU build runs MLA only with kv_lora_rank + qk_rope_head_dim in {sorted(CPU_MLA_LATENTS)} "
-            f"(DeepSeek-V3 and Kimi-K2 have 512 + 64 = 576); this {kind} target has {latent}. Capture it on a GPU "
-            f"with vLLM, or {HF_HINT}."
-        )
-    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) in (None, "default"):
-        raise NestlingError(
-            f"vLLM {TESTED_VLLM[0]}'s CPU build computes plain rope wrongly for MLA targets (its CPU rotary kernel "
-            f"takes the [tokens, heads, dim] query of MLA as one head per row; states differ from the second token "
-            f"on, docs/capture-vllm.md). This {kind} target sets no rope scaling; released DeepSeek-V3 and Kimi "
-            f"checkpoints use yarn, which vLLM computes exactly. Capture it on a GPU with vLLM, or {HF_HINT}."
-        )
 
 
 def final_norm(target: Path, config: dict) -> dict:
@@ -162,13 +111,13 @@ def embedding_source(target: Path) -> dict:
 
 
 def _engine_settings(settings: CaptureSettings, config: dict) -> CaptureSettings:
-    """float32 MLA on a CPU runs on CPU_MLA: vLLM would pick AMX_MLA on CPUs with AMX tiles, which takes
-    bf16 weights only (it fails at load on float32 ones)."""
+    """The engine's attention backend where nestling must choose it (targets/vllm_rules.py)."""
     import dataclasses
 
-    if settings.attention_backend is None and settings.dtype == "float32" and _on_cpu(settings.device):
-        if is_mla(config):
-            return dataclasses.replace(settings, attention_backend="CPU_MLA")
+    if settings.attention_backend is None:
+        backend = attention_backend(config, settings.dtype, _on_cpu(settings.device))
+        if backend:
+            return dataclasses.replace(settings, attention_backend=backend)
     return settings
 
 

@@ -150,6 +150,27 @@ def evaluate(
         return _evaluate(draft_dir, target_dir, prompts, out, s)
 
 
+def _engine_this_machine_serves(target_dir: Path, s: EvalSettings) -> EvalSettings:
+    """vLLM where it can serve the draft beside this target, else the reference decoder, with a line
+    that says why (targets/vllm_rules.py: the CPU build and MLA targets)."""
+    import dataclasses
+    import json
+
+    import torch
+
+    from nestling.targets.vllm_rules import eagle3_serving_limit
+
+    if s.engine not in ("vllm", "both"):
+        return s
+    config = json.loads((target_dir / "config.json").read_text())
+    amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    limit = eagle3_serving_limit(config, s.dtype, not torch.cuda.is_available(), amx)
+    if limit is None:
+        return s
+    log(f"[eval] the reference decoder measures this draft instead of vLLM: {limit}")
+    return dataclasses.replace(s, engine="reference")
+
+
 def _evaluate(draft_dir: Path, target_dir: Path, prompts: str | Path, out: Path, s: EvalSettings) -> dict:
     from nestling.evaluate.prompts import load_prompts
     from nestling.evaluate.report import write_report
@@ -157,6 +178,7 @@ def _evaluate(draft_dir: Path, target_dir: Path, prompts: str | Path, out: Path,
 
     tok = load_tokenizer(target_dir)
     ids = load_prompts(prompts, tok, s.max_prompts)
+    s = _engine_this_machine_serves(target_dir, s)
     log(f"[eval] {len(ids)} prompts, k={s.k}, engine={s.engine}, temperature={s.temperature}")
     engines: dict[str, dict] = {}
     if s.engine in ("reference", "both"):

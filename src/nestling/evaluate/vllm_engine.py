@@ -18,6 +18,7 @@ from pathlib import Path
 from nestling.errors import NestlingError
 from nestling.evaluate.vllm_worker import PROGRESS
 from nestling.progress import log
+from nestling.targets.vllm_rules import engine_options
 
 
 def run_vllm(
@@ -47,6 +48,7 @@ def run_vllm(
         max_model_len=max_model_len,
         seed=seed,
         baseline=baseline,
+        engine_options=engine_options(Path(target), dtype),
     )
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))  # vLLM takes whole GiB only

@@ -90,6 +90,7 @@ def run(spec: dict) -> dict:
         disable_log_stats=False,
         max_num_seqs=spec.get("max_num_seqs", 8),
     )
+    common.update(spec.get("engine_options") or {})  # e.g. float32 MLA on a CPU (targets/vllm_rules.py)
     result: dict = {}
     if spec.get("baseline", True):
         llm = LLM(**common)

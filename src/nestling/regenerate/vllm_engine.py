@@ -13,6 +13,7 @@ from pathlib import Path
 from nestling.errors import NestlingError
 from nestling.progress import log
 from nestling.regenerate.engine import Completion, Request
+from nestling.targets.vllm_rules import engine_options
 from nestling.regenerate.settings import RegenerateSettings
 
 
@@ -30,6 +31,7 @@ class VLLMEngine:
             ) from None
         self.s = s
         kw = {"model": str(target), "dtype": s.dtype, "max_model_len": max_model_len, "seed": s.seed, **s.vllm}
+        kw.update({k: v for k, v in engine_options(target, s.dtype).items() if k not in kw})
         log(f"[regenerate] starting vLLM: {kw}")
         self.llm = LLM(**kw)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
