@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from nestling.errors import NestlingError
@@ -163,19 +163,30 @@ def flops_per_token(cfg: dict, seq_len: int) -> float:
 
 @dataclass
 class Quant:
-    """Bits per weight (scales included) of the quantized Linear layers; `ignore` patterns stay bf16."""
+    """Bits per weight (scales included) of the quantized Linear layers.
+
+    `schemes` pairs each compressed-tensors config group's `targets` with its bits ("Linear" names
+    every Linear layer, "re:" a regular expression over module names); `ignore` patterns stay bf16.
+    `bits` and `group_size` are the first scheme's, for the report and vLLM's split rules."""
 
     name: str
     bits: float
     ignore: list[str]
+    schemes: list[tuple[list[str], float]] = field(default_factory=list)
+    group_size: int | None = None
 
-    def quantized(self, module: str | None) -> bool:
-        if module is None or self.bits >= 16:
-            return False
-        for pat in self.ignore:
-            if pat.startswith("re:") and re.match(pat[3:], module) or pat == module:
-                return False
-        return True
+    def bits_of(self, module: str | None) -> float:
+        """Bits per weight `module` is stored at (16 where no scheme targets it, or it is ignored)."""
+        if module is None or any(_matches(pat, module) for pat in self.ignore):
+            return 16.0
+        for targets, bits in self.schemes:
+            if any(t == "Linear" or _matches(t, module) for t in targets):
+                return bits
+        return 16.0
+
+
+def _matches(pattern: str, module: str) -> bool:
+    return bool(re.match(pattern[3:], module)) if pattern.startswith("re:") else pattern == module
 
 
 def quantization(cfg: dict) -> Quant:
@@ -186,18 +197,27 @@ def quantization(cfg: dict) -> Quant:
         return Quant("bf16", 16.0, [])
     if method == "fp8":
         block = q.get("weight_block_size") or [128, 128]
-        return Quant("fp8 (block scales)", 8 + 32 / (block[0] * block[1]), list(q.get("ignored_layers") or ["lm_head"]))
+        bits = 8 + 32 / (block[0] * block[1])
+        return Quant(
+            "fp8 (block scales)", bits, list(q.get("ignored_layers") or ["lm_head"]), [(["Linear"], bits)], block[1]
+        )
     if method == "compressed-tensors":
-        groups = [g.get("weights") or {} for g in (q.get("config_groups") or {}).values()]
+        groups = list((q.get("config_groups") or {}).values())
         if not groups:
             raise NestlingError("the target's compressed-tensors quantization_config has no config_groups")
-        w = groups[0]
-        bits = int(w.get("num_bits") or 16)
-        gs = w.get("group_size")
-        scale = 16 / gs if w.get("strategy") == "group" and gs else 0.0  # one bf16 scale per group
-        zero = scale if w.get("symmetric") is False else 0.0
+        schemes = []
+        for g in groups:
+            w = g.get("weights") or {}
+            bits = int(w.get("num_bits") or 16)
+            gs = w.get("group_size") if w.get("strategy") == "group" else None
+            scale = 16 / gs if gs else 0.0  # one bf16 scale per group
+            zero = scale if w.get("symmetric") is False else 0.0
+            schemes.append((list(g.get("targets") or ["Linear"]), bits + scale + zero))
+        w = groups[0].get("weights") or {}
+        gs = w.get("group_size") if w.get("strategy") == "group" else None
         fmt = q.get("format") or "compressed-tensors"
-        return Quant(f"W{bits}A16 {fmt}" + (f" g{gs}" if gs else ""), bits + scale + zero, list(q.get("ignore") or []))
+        name = f"W{int(w.get('num_bits') or 16)}A16 {fmt}" + (f" g{gs}" if gs else "")
+        return Quant(name, schemes[0][1], list(q.get("ignore") or []), schemes, gs)
     raise NestlingError(
         f"nestling plan does not know quant_method {method!r}; it reads compressed-tensors, "
         f"fp8 and unquantized (bf16) checkpoints"
@@ -214,7 +234,7 @@ def weight_bytes(cfg: dict, params: ParamCount | None = None) -> dict[str, float
         module = GROUP_MODULES.get(group)
         if module:
             module = module.format(i=first_moe if "experts" in group else 0)
-        out[group] = n * (q.bits if q.quantized(module) else 16) / 8
+        out[group] = n * q.bits_of(module) / 8
     return out
 
 
@@ -227,3 +247,12 @@ def loaded_weight_bytes(cfg: dict, params: ParamCount | None = None) -> float:
     if (cfg.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
         return params.n_total * 2
     return sum(weight_bytes(cfg, params).values())
+
+
+def kv_bytes_per_token(cfg: dict) -> int:
+    """bf16 KV cache of one token over all layers (MLA caches the compressed kv and the rope key)."""
+    L, H, heads = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    if is_mla(cfg):
+        return L * (int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])) * 2
+    hd = int(cfg.get("head_dim") or H // heads)
+    return L * 2 * int(cfg.get("num_key_value_heads") or heads) * hd * 2

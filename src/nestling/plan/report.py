@@ -33,18 +33,7 @@ def table(p: dict) -> str:
     ]
     for name, st in p["store"].items():
         lines.append(f"  {name:<10} {st['bytes_per_token']:>12,} {_b(st['bytes']):>12}  {_yes(st['fits_disk'])}")
-    split = "TP" if tm["backend"] == "vllm" else "GPUs"
-    held = tm.get("weight_bytes", t["weight_bytes"])
-    dense = " dequantized to bf16 by transformers" if held != t["weight_bytes"] else ""
-    lines += [
-        "",
-        f"target on GPUs (weights {_b(held)}{dense}; per GPU + {_b(tm['work_bytes'])} for a "
-        f"forward's KV cache, activations and runtime)",
-        f"  capture backend {tm['backend']}: {tm['backend_why']}",
-        f"  {split:>4} {'DP':>3} {'per GPU':>12}  fits",
-    ]
-    for o in tm["options"]:
-        lines.append(f"  {o['tp']:>4} {o['dp']:>3} {_b(o['per_gpu_bytes']):>12}  {_yes(o['fits'])}")
+    lines += ["", *_target_lines(tm, t["weight_bytes"])]
     mem = dr["memory"]
     lines += [
         "",
@@ -61,9 +50,10 @@ def table(p: dict) -> str:
         if stage in tt:
             x = tt[stage]
             n = x.get("busy_gpus", m["gpus"])
+            moe = f", x{x['efficiency']:g} for a MoE" if x.get("efficiency", 1.0) != 1.0 else ""
             lines.append(
                 f"  {stage:<8} {x['tokens_per_s_per_gpu']:>10,.0f} tok/s per GPU x {n} -> "
-                f"{format_duration(x['seconds']):>10}  (scaled from {x['measured']})"
+                f"{format_duration(x['seconds']):>10}  (scaled from {x['measured']}{moe})"
             )
         else:
             lines.append(f"  {stage:<8} no {stage}_*.json result found there")
@@ -73,16 +63,57 @@ def table(p: dict) -> str:
             f"{format_duration(tt['capture']['seconds'] + tt['train']['seconds']):>10}; training reads the "
             + ", ".join(f"{k} store at {_b(v)}/s" for k, v in tt["train"]["store_read_per_s"].items())
         )
+        lines.append(
+            f"  {'':<8} capture writes the "
+            + ", ".join(f"{k} store at {_b(v)}/s" for k, v in tt["capture"]["store_write_per_s"].items())
+        )
     if "online" in tt and any(mo["fits"] for mo in p["modes"] if mo["mode"] == "online"):
         lines.append(
             f"  {'online':<8} target + draft every step {'':>19}-> {format_duration(tt['online']['seconds']):>10}"
         )
-    lines.append(
-        "  (ideal: llama8b's measured utilisation; MoE and INT4 kernels usually reach less, so read "
-        "these as lower bounds)"
-    )
+    lines.append("  (llama8b's measured utilisation, a MoE's at moe_efficiency of it: docs/plan.md)")
     lines += ["", "modes"]
     for mo in p["modes"]:
         lines.append(f"  [{'fits' if mo['fits'] else 'no':>4}] {mo['mode']}: {mo['why']}")
     lines += ["", f"recommended: {p['recommendation']}"]
     return "\n".join(lines)
+
+
+def _target_lines(tm: dict, stored: float) -> list[str]:
+    """The chosen capture backend: per-GPU memory at each TP degree, its parts, and the other backend."""
+    if tm["backend"] == "vllm":
+        out = [
+            f"target on GPUs (weights as stored, {_b(tm['weight_bytes'])}, split over the TP ranks; per GPU + "
+            f"the KV and hidden-state caches and activations of a token_budget batch, + the engine)",
+            f"  capture backend vllm: {tm['backend_why']}",
+            f"  {'TP':>4} {'DP':>3} {'budget':>7} {'per GPU':>12}  fits",
+        ]
+        for o in tm["options"]:
+            note = f"  {o['problem']}" if o["problem"] else ""
+            out.append(
+                f"  {o['tp']:>4} {o['dp']:>3} {o['token_budget']:>7} {_b(o['per_gpu_bytes']):>12}  {_yes(o['fits'])}{note}"
+            )
+        if tm["memory"]:
+            parts = ", ".join(f"{k.replace('_', ' ')} {_b(v)}" for k, v in tm["memory"].items())
+            out.append(f"  at TP {tm['tp']}: {parts}")
+        if tm["experts"]:
+            out.append(f"  routed experts: {tm['experts']}")
+    else:
+        dense = " dequantized to bf16 by transformers" if tm["weight_bytes"] != stored else ""
+        out = [
+            f"target on GPUs (weights {_b(tm['weight_bytes'])}{dense}; per GPU + {_b(tm['work_bytes'])} for a "
+            f"forward's KV cache, activations and runtime)",
+            f"  capture backend hf: {tm['backend_why']}",
+            f"  {'GPUs':>4} {'DP':>3} {'per GPU':>12}  fits",
+        ]
+        for o in tm["options"]:
+            out.append(f"  {o['tp']:>4} {o['dp']:>3} {_b(o['per_gpu_bytes']):>12}  {_yes(o['fits'])}")
+    other = tm.get("other")
+    if other:
+        verdict = "fits" if other["fits"] else "does not fit"
+        refused = f" (and {other['refused']})" if other["refused"] else ""
+        out.append(
+            f"  the {other['backend']} backend: weights {_b(other['weight_bytes'])}, {_b(other['per_gpu_bytes'])} per "
+            f"GPU over {other['tp']}: {verdict}{refused}"
+        )
+    return out

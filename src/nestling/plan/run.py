@@ -20,11 +20,10 @@ from nestling.errors import NestlingError
 from nestling.plan import model as M
 from nestling.plan.rates import capture_rate, default_results_dir, train_rate
 from nestling.plan.settings import PlanSettings
+from nestling.plan.target import target_plan
 from nestling.targets.layers import default_capture_layers, validate_layer_ids
 
-GIB = 2**30
 STORE_DTYPES = {"bfloat16": torch.bfloat16, "float8": torch.float8_e4m3fn}
-RUNTIME_BYTES = 2 * GIB  # CUDA context, allocator slack, graphs: per GPU, beside weights and batches
 
 
 def data_tokens(s: PlanSettings) -> tuple[int, int, str]:
@@ -61,103 +60,6 @@ def store_plan(n_ids: int, hidden: int, tokens: int, disk: int | None) -> dict:
             "fits_disk": None if disk is None else bpt * tokens <= disk,
         }
     return out
-
-
-def kv_bytes_per_token(cfg: dict) -> int:
-    """bf16 KV cache of one token over all layers (MLA caches the compressed kv and the rope key)."""
-    L, H, heads = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    if M.is_mla(cfg):
-        return L * (int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])) * 2
-    hd = int(cfg.get("head_dim") or H // heads)
-    return L * 2 * int(cfg.get("num_key_value_heads") or heads) * hd * 2
-
-
-def capture_work_bytes(cfg: dict, n_ids: int, token_budget: int) -> int:
-    """A forward's working memory beside the weights: the batch's KV cache, its widest activations and the
-    captured states, plus the runtime. Not divided by TP: an upper bound."""
-    H = int(cfg["hidden_size"])
-    mlp = max(
-        int(cfg.get("intermediate_size") or 4 * H),
-        int(cfg.get("num_experts_per_tok") or 0) * int(cfg.get("moe_intermediate_size") or 0),
-    )
-    act = (n_ids + 6) * H + 2 * mlp
-    return token_budget * (kv_bytes_per_token(cfg) + 2 * act) + RUNTIME_BYTES
-
-
-def capture_backend(cfg: dict) -> tuple[str, str]:
-    """(backend, why): vllm (tensor and data parallel) where its capture path serves the target, else hf
-    with device_map=auto (layers spread over the GPUs, which compute one after another)."""
-    from nestling.capture.vllm import check_target
-
-    try:
-        check_target(cfg)
-    except NestlingError as e:
-        return "hf", str(e).split(";")[0]
-    return "vllm", "vLLM's extract_hidden_states path serves this architecture"
-
-
-def hf_tensor_parallel(cfg: dict, tp: int) -> str | None:
-    """None when the hf backend can split this target `tp` ways under torchrun, else why not: the rule
-    `nestling capture --tensor-parallel-size` applies (capture/tp.py: transformers' plan for the
-    architecture, head counts, quantization), on the config's transformers class, no weights."""
-    from transformers import AutoConfig
-
-    from nestling.capture import tp as rule
-
-    try:
-        conf = AutoConfig.for_model(**cfg)
-        rule.check_target(conf, tp)
-    except NestlingError as e:
-        return str(e)
-    except (ValueError, KeyError, TypeError) as e:  # a model type this transformers does not know
-        return f"transformers cannot read this config ({type(e).__name__}: {e})"
-    return None
-
-
-def target_plan(
-    cfg: dict, weights: float, s: PlanSettings, usable: float, n_ids: int, loaded: float | None = None
-) -> dict:
-    """Per-GPU memory when the weights are split over 1, 2, 4, ... of the GPUs (vllm: the TP degree, the
-    rest data-parallel replicas; hf: device_map over that many GPUs, one replica); the smallest that fits.
-    `weights` as stored (what vLLM holds), `loaded` as transformers holds them (the hf backend)."""
-    backend, why = capture_backend(cfg)
-    if backend == "hf" and loaded is not None:
-        weights = loaded
-    work = capture_work_bytes(cfg, n_ids, s.token_budget)
-    options = []
-    tp = 1
-    while tp <= s.gpus:
-        if s.gpus % tp == 0:
-            per_gpu = weights / tp + work
-            dp = s.gpus // tp if backend == "vllm" else 1
-            options.append({"tp": tp, "dp": dp, "per_gpu_bytes": per_gpu, "fits": per_gpu <= usable})
-        tp *= 2
-    fit = next((o for o in options if o["fits"]), None)
-    # hf over several GPUs: tensor parallel (on one node, under torchrun) at the largest degree that
-    # fits and that transformers can split the target by (those GPUs all compute), else device_map
-    # (the layers spread, one GPU computing at a time)
-    hf_split, hf_tp_why = None, None
-    if backend == "hf" and fit is not None and fit["tp"] > 1:
-        hf_split = "device_map"
-        for o in sorted((o for o in options if o["fits"]), key=lambda o: -o["tp"]):
-            why_not = hf_tensor_parallel(cfg, int(o["tp"]))
-            if why_not is None:
-                fit, hf_split, hf_tp_why = o, "tensor_parallel", None
-                break
-            hf_tp_why = hf_tp_why or why_not
-    return {
-        "backend": backend,
-        "backend_why": why,
-        "work_bytes": work,
-        "weight_bytes": weights,
-        "options": options,
-        "tp": fit["tp"] if fit else None,
-        "dp": fit["dp"] if fit else None,
-        "hf_split": hf_split,
-        "hf_tp_why_not": hf_tp_why,
-        # GPUs computing at once: vllm's TP x DP and hf's TP all work; hf's device_map runs the layers in turn
-        "busy_gpus": (s.gpus if backend == "vllm" else fit["tp"] if hf_split == "tensor_parallel" else 1) if fit else 0,
-    }
 
 
 def draft_plan(cfg: dict, layer_ids: list[int], s: PlanSettings, usable: float) -> dict:
@@ -202,18 +104,22 @@ def draft_plan(cfg: dict, layer_ids: list[int], s: PlanSettings, usable: float) 
 def time_plan(
     cfg: dict, draft_params: int, tokens: int, train_tokens: int, s: PlanSettings, store: dict, busy_gpus: int
 ) -> dict:
-    """Seconds for capture and for training at the measured rates, all GPUs busy."""
+    """Seconds for capture and for training at the measured rates, all GPUs busy; a MoE target captures
+    at `moe_efficiency` of the dense rate its active FLOPs would give (docs/plan.md)."""
     results = Path(s.results) if s.results else default_results_dir()
     cap, tr = capture_rate(results), train_rate(results, s.ttt_steps)
     flops = M.flops_per_token(cfg, s.seq_len)
     out: dict = {"results": str(results), "target_flops_per_token": flops}
     if cap:
-        r = cap.scaled(flops, s.gpu_tflops)
+        efficiency = s.moe_efficiency if M.n_moe_layers(cfg) else 1.0
+        r = cap.scaled(flops, s.gpu_tflops) * efficiency
         out["capture"] = {
             "tokens_per_s_per_gpu": r,
             "busy_gpus": busy_gpus,
+            "efficiency": efficiency,
             "measured": cap.source,
             "seconds": tokens / (r * busy_gpus) if busy_gpus else float("inf"),
+            "store_write_per_s": {k: v["bytes_per_token"] * r * busy_gpus for k, v in store.items()},
         }
     if tr:
         r = tr.scaled(draft_params, s.ttt_steps, s.gpu_tflops)
@@ -229,26 +135,41 @@ def time_plan(
     return out
 
 
+def capture_command(target: dict, s: PlanSettings) -> str:
+    """The capture settings the plan priced, as `nestling capture` takes them, and how the GPUs work."""
+    if target["backend"] == "vllm":
+        cap = f"capture backend=vllm tensor_parallel_size={target['tp']} data_parallel_size={target['dp']}"
+        if target["token_budget"] != s.token_budget:
+            cap += f" token_budget={target['token_budget']}"
+        if (target["experts"] or "").startswith("needs"):
+            cap += " enable_expert_parallel=true"
+        if target["refused"]:
+            cap += f" [not runnable yet: {target['refused']}]"
+        return cap
+    return {
+        "tensor_parallel": f"capture backend=hf tensor_parallel_size={target['tp']} under torchrun "
+        f"(all {target['tp']} GPUs computing)",
+        "device_map": f"capture backend=hf device_map=auto (weights over {target['tp']} GPU(s), computing "
+        f"one at a time: {str(target['hf_tp_why_not']).split(':')[0]})",
+    }.get(target["hf_split"] or "", "capture backend=hf on one GPU")
+
+
 def modes(store: dict, target: dict, draft: dict, online_per_gpu: float, usable: float, s: PlanSettings) -> list[dict]:
     """Each way to train, whether it fits this machine and why."""
     out = []
     for name in STORE_DTYPES:
         why = []
         if target["tp"] is None:
-            why.append(f"the target does not fit on {s.gpus} GPUs even at TP {s.gpus}")
+            last = target["options"][-1]
+            why.append(
+                f"the target does not fit on {s.gpus} GPUs even at TP {last['tp']} "
+                f"({_size(last['per_gpu_bytes'])} per GPU with the {target['backend']} backend)"
+            )
         if store[name]["fits_disk"] is False:
             why.append(f"the {name} store needs {_size(store[name]['bytes'])} of disk, more than {s.disk}")
         if draft["parallel"] is None:
             why.append("the draft's training does not fit on a GPU even with FSDP")
-        if target["backend"] == "vllm":
-            cap = f"capture backend=vllm tensor_parallel_size={target['tp']} data_parallel_size={target['dp']}"
-        else:
-            cap = {
-                "tensor_parallel": f"capture backend=hf tensor_parallel_size={target['tp']} under torchrun "
-                f"(all {target['tp']} GPUs computing)",
-                "device_map": f"capture backend=hf device_map=auto (weights over {target['tp']} GPU(s), computing "
-                f"one at a time: {str(target['hf_tp_why_not']).split(':')[0]})",
-            }.get(target["hf_split"] or "", "capture backend=hf on one GPU")
+        cap = capture_command(target, s)
         how = f"{cap}, dtype={name}; train {draft['parallel']} on {s.gpus} GPUs" if not why else ""
         out.append({"mode": f"offline, {name} store", "fits": not why, "why": "; ".join(why) or how})
     fits = online_per_gpu <= usable
@@ -298,9 +219,9 @@ def plan(target: str | Path, settings: PlanSettings | None = None) -> dict:
     weights = sum(M.weight_bytes(cfg, params).values())
     loaded = M.loaded_weight_bytes(cfg, params)  # the hf backend and online training: compressed-tensors dequantized
     store = store_plan(len(layer_ids), H, tokens, disk)
-    target_mem = target_plan(cfg, weights, s, usable, len(layer_ids), loaded)
+    target_mem = target_plan(cfg, loaded, s, usable, len(layer_ids))
     draft = draft_plan(cfg, layer_ids, s, usable)
-    online_per_gpu = loaded + target_mem["work_bytes"] + draft["per_gpu_bytes"]
+    online_per_gpu = loaded + target_mem["hf_work_bytes"] + draft["per_gpu_bytes"]
     ms = modes(store, target_mem, draft, online_per_gpu, usable, s)
     return {
         "target": {

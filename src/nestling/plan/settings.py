@@ -14,8 +14,11 @@ class PlanSettings:
 
     `tokens` or `data` (a data-stage folder whose manifest counts them) gives the data size. Sizes
     take units (`96GB`, `4TB`); `disk` None skips the disk check. `gpu_tflops` None assumes GPUs as
-    fast as the measured one (an H200). `seq_len` is the typical sample length (attention FLOPs).
-    The rest mirror capture's and train's settings of the same names.
+    fast as the measured one (an H200). `seq_len` is the typical sample length (attention FLOPs, and
+    the smallest capture batch). `backend` auto picks the capture backend that fits (plan/target.py);
+    vllm or hf prices that one. `moe_efficiency` is the share of the dense capture rate a MoE target
+    reaches (docs/plan.md says where 0.5 comes from). The rest mirror capture's and train's settings
+    of the same names.
     """
 
     tokens: int | None = None
@@ -27,6 +30,8 @@ class PlanSettings:
     memory_utilization: float = 0.9  # share of each GPU's memory a run may use (vLLM's default)
     layers: list[int] | None = None
     seq_len: int = 2048
+    backend: str = "auto"
+    moe_efficiency: float = 0.5
     token_budget: int = 16384
     batch_tokens: int = TrainSettings.batch_tokens  # the train settings' defaults, so a plan prices the default run
     ttt_steps: int = TrainSettings.ttt_steps
@@ -46,5 +51,11 @@ class PlanSettings:
         for name in ("seq_len", "token_budget", "batch_tokens", "ttt_steps", "draft_vocab_size", "draft_layers"):
             if getattr(self, name) < 1:
                 raise NestlingError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.backend not in ("auto", "vllm", "hf"):
+            raise NestlingError(f"backend is auto, vllm or hf, got {self.backend!r}")
+        if not 0 < self.moe_efficiency <= 1:
+            raise NestlingError(
+                f"moe_efficiency is a share of the dense capture rate in (0, 1], got {self.moe_efficiency}"
+            )
         if self.epochs <= 0:
             raise NestlingError(f"epochs must be positive, got {self.epochs}")
