@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from nestling.errors import NestlingError
@@ -46,5 +47,9 @@ class PlanSettings:
         for name in ("seq_len", "token_budget", "batch_tokens", "ttt_steps", "draft_vocab_size", "draft_layers"):
             if getattr(self, name) < 1:
                 raise NestlingError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.epochs <= 0:
+        if not (math.isfinite(self.epochs) and self.epochs > 0):
             raise NestlingError(f"epochs must be positive, got {self.epochs}")
+        if self.gpu_tflops is not None and not (math.isfinite(self.gpu_tflops) and self.gpu_tflops > 0):
+            raise NestlingError(
+                f"gpu_tflops is the GPU's dense bf16 TFLOP/s, a positive number (or unset), got {self.gpu_tflops}"
+            )
