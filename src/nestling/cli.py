@@ -113,6 +113,8 @@ OS_ADVICE = {
     errno.ENOSPC: "free space on that disk or point --out at a larger one, then run the same command again "
     "(complete work is kept)",
     errno.EDQUOT: "free space within your quota, then run the same command again (complete work is kept)",
+    errno.EFBIG: "a file-size limit (`ulimit -f`, or the filesystem's own) stopped the write: raise it or point "
+    "--out at another disk, then run the same command again (complete work is kept)",
     errno.ENOTDIR: "a part of that path is a file, not a folder: choose another path",
     errno.EISDIR: "that path is a folder where a file was expected: give the file itself",
     errno.EACCES: "you lack permission there: choose a path you can write, or fix its permissions",

@@ -116,11 +116,12 @@ def to_dict(obj: Any) -> dict:
 
 
 def load_yaml(path: Path) -> dict:
+    from nestling.inputs import read_text
+
     path = Path(path)
-    if not path.exists():
-        raise NestlingError(f"config file {path} does not exist")
+    text = read_text(path, "config file")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise NestlingError(f"{path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):

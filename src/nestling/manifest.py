@@ -91,7 +91,10 @@ def read_manifest(stage_dir: Path, stage: str | None = None) -> dict:
         raise NestlingError(
             f"{stage_dir} is not {what}: {MANIFEST} is missing (was the stage interrupted? run it again)."
         )
-    manifest = json.loads(path.read_text())
+    from nestling.inputs import read_json
+
+    redo = f"run `nestling {stage}` again into a new folder" if stage else "run the stage that wrote it again"
+    manifest = read_json(path, "manifest", hint=f"the folder was damaged or edited: {redo}")
     if stage and manifest.get("stage") != stage:
         raise NestlingError(f"{stage_dir} holds output of stage '{manifest.get('stage')}', expected '{stage}'.")
     if manifest.get("format_version", 0) > FORMAT_VERSION:

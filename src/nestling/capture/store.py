@@ -376,10 +376,51 @@ def write_index(split_dir: Path, samples: list[Sample], plans: list[ShardPlan]) 
 
 
 def read_index(capture_dir: Path, split: str) -> list[dict]:
+    from nestling.inputs import read_json
+
     path = Path(capture_dir) / split / INDEX
     if not path.exists():
         raise NestlingError(f"{capture_dir} has no '{split}' split ({path} is missing)")
-    return json.loads(path.read_text())
+    index = read_json(path, "capture index", expect=list, hint=REDO_CAPTURE)
+    check_index(path, index)
+    return index
+
+
+REDO_CAPTURE = "capture again into a new --out folder"
+
+
+def check_index(path: Path, index: list) -> None:
+    """An index as capture writes it: entries of (sample_id, shard, offset, length), and in each shard the
+    samples back to back from row 0 (in any order in the index, which follows the data stage's). An
+    edited offset or length would read one sample's states as another's (training on misaligned samples,
+    with no error): refused here, by the index alone; the train stage checks the shards' row counts
+    against `shard_rows(index)`."""
+    by_shard: dict[str, list[tuple[int, int, str]]] = {}
+    for i, e in enumerate(index):
+        ok = isinstance(e, dict) and isinstance(e.get("shard"), str) and "sample_id" in e
+        off, n = (e.get("offset"), e.get("length")) if isinstance(e, dict) else (None, None)
+        if not ok or type(off) is not int or type(n) is not int or n < 1:
+            raise NestlingError(
+                f"capture index {path}: entry {i} is not a sample entry ({str(e)[:100]}); {REDO_CAPTURE}"
+            )
+        by_shard.setdefault(e["shard"], []).append((off, n, str(e["sample_id"])))
+    for shard, entries in by_shard.items():
+        end = 0
+        for off, n, sid in sorted(entries):
+            if off != end:
+                raise NestlingError(
+                    f"capture index {path}: sample {sid} starts at row {off} of {shard}, where the samples "
+                    f"before it end at row {end}: the index was edited or is damaged; {REDO_CAPTURE}"
+                )
+            end = off + n
+
+
+def shard_rows(index: list[dict]) -> dict[str, int]:
+    """Rows (tokens) each shard holds by a checked index: its last sample's end."""
+    out: dict[str, int] = {}
+    for e in index:
+        out[e["shard"]] = max(out.get(e["shard"], 0), e["offset"] + e["length"])
+    return out
 
 
 class CaptureDataset(torch.utils.data.Dataset):

@@ -21,7 +21,9 @@ Two ways to find the supervised tokens, both generic (no per-family header patte
 from __future__ import annotations
 
 import bisect
+import os
 import re
+import resource
 import signal
 import threading
 from contextlib import contextmanager
@@ -71,10 +73,9 @@ class ChatFormat:
 
 
 def read_template(path: str | Path) -> str:
-    p = Path(path)
-    if not p.exists():
-        raise NestlingError(f"chat template file {p} does not exist")
-    return p.read_text()
+    from nestling.inputs import read_text
+
+    return read_text(path, "chat template file")
 
 
 def chat_format(tokenizer, template: str | None = None) -> ChatFormat:
@@ -222,26 +223,57 @@ class TemplateTimeout(Exception):
     """Rendering one conversation took longer than the data stage's `template_timeout`."""
 
 
+# Address space one render may add to its process: a conversation renders to megabytes at most, and a
+# template that builds gigabytes (`{{ 'x' * 10**10 }}`, a string doubled in a loop) gets a MemoryError,
+# a counted `template_error`, instead of growing the process until the machine swaps.
+TEMPLATE_MEMORY = 2 * 2**30
+
+
+def _address_space() -> int | None:
+    """This process's mapped address space in bytes (Linux /proc), None where unknown."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 @dataclass
 class _Deadline:
     seconds: float = 0.0  # 0: no bound
+    saved: tuple[int, int] | None = None  # RLIMIT_AS before arm(), restored by disarm()
 
     def arm(self) -> None:
         if self.seconds:
-            signal.setitimer(signal.ITIMER_VIRTUAL, self.seconds)
+            here = _address_space()
+            if here is not None:
+                self.saved = resource.getrlimit(resource.RLIMIT_AS)
+                hard = self.saved[1]
+                cap = here + TEMPLATE_MEMORY
+                resource.setrlimit(
+                    resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard)
+                )
+            signal.setitimer(signal.ITIMER_PROF, self.seconds)
 
     def disarm(self) -> None:
         if self.seconds:
-            signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+            signal.setitimer(signal.ITIMER_PROF, 0)
+            if self.saved is not None:
+                resource.setrlimit(resource.RLIMIT_AS, self.saved)
+                self.saved = None
 
 
 @contextmanager
 def render_deadline(seconds: float | None) -> Iterator[_Deadline]:
-    """Bound the time of each render: `arm()` starts a countdown of `seconds` of this process's CPU
-    time (so a busy machine does not make a normal render time out) whose end raises TemplateTimeout
-    inside the template's Python code; `disarm()` stops it. A chat template is code from the model
-    folder: a loop nested in a loop renders for hours. Works in a process's main thread (the data
-    stage's workers, or the stage itself with one worker); elsewhere renders are not bounded."""
+    """Bound the time and memory of each render: `arm()` starts a countdown of `seconds` of this process's
+    CPU time, user and system (so a busy machine does not make a normal render time out, and filling
+    memory, which is system time, counts) whose end raises TemplateTimeout inside the template's Python
+    code, and caps the process's address space at TEMPLATE_MEMORY above its size (a larger allocation
+    raises MemoryError); `disarm()` stops both. A chat template is code from the model folder: a loop
+    nested in a loop renders for hours, `'x' * 10**10` allocates 10 GB in one step no timer can
+    interrupt. A render does no I/O and cannot wait, so bounding its CPU time bounds its wall time too.
+    Works in a process's main thread (the data stage's workers, or the stage itself with one worker);
+    elsewhere renders are not bounded."""
     if not seconds or seconds <= 0 or threading.current_thread() is not threading.main_thread():
         yield _Deadline()
         return
@@ -251,12 +283,12 @@ def render_deadline(seconds: float | None) -> Iterator[_Deadline]:
 
     from transformers.utils import chat_template_utils  # noqa: F401 - imported here, not inside the first deadline
 
-    previous = signal.signal(signal.SIGVTALRM, fire)
+    previous = signal.signal(signal.SIGPROF, fire)
     try:
         yield _Deadline(float(seconds))
     finally:
-        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
-        signal.signal(signal.SIGVTALRM, previous)
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
 
 
 # A template that raises these drops its conversation (`template_error`); OverflowError is Jinja's

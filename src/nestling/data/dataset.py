@@ -44,19 +44,36 @@ def write_shard(path: Path, samples: list[Sample]) -> None:
 
 
 def load_samples(data_dir: Path, split: str = "train") -> list[Sample]:
-    """All samples of one split of a complete data-stage folder, in stored order."""
+    """All samples of one split of a complete data-stage folder, in stored order; the shards must read
+    and hold what the manifest promises (its sample count), so a folder whose shards were cut off,
+    added, removed or edited is refused instead of used."""
     import pyarrow.parquet as pq
 
     from nestling.manifest import read_manifest
 
-    read_manifest(data_dir, "data")
+    manifest = read_manifest(data_dir, "data")
     if split not in SPLITS:
         raise NestlingError(f"unknown split {split!r}; splits are {', '.join(SPLITS)}")
+    redo = "run the same `nestling data` command into a new --out folder"
     out: list[Sample] = []
     for f in split_files(data_dir, split):
-        t = pq.read_table(f).to_pydict()
+        try:
+            t = pq.read_table(f, columns=list(COLUMNS)).to_pydict()
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a broken file
+            raise NestlingError(
+                f"data shard {f} cannot be read ({type(e).__name__}: {str(e)[:200]}): it is cut off or damaged; {redo}"
+            ) from None
         out += [
             Sample(sid, int(si), ids, mask)
             for ids, mask, sid, si in zip(t["input_ids"], t["loss_mask"], t["sample_id"], t["source_index"])
         ]
+    promised = ((manifest.get("splits") or {}).get(split) or {}).get("samples")
+    if promised is not None and promised != len(out):
+        raise NestlingError(
+            f"{data_dir} holds {len(out)} {split} samples, its manifest promises {promised}: its shards were "
+            f"added, removed or edited after `nestling data` wrote them; {redo}"
+        )
     return out
+
+
+COLUMNS = ("input_ids", "loss_mask", "sample_id", "source_index")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nestling.errors import NestlingError
+from nestling.inputs import parse_json_int, json_loads
 from nestling.progress import log
 
 FORMATS = ("json", "jsonl", "parquet")
@@ -34,7 +35,9 @@ class RawRecord:
 
 # Files are decoded with surrogateescape: each byte that is not UTF-8 becomes one lone surrogate
 # U+DC80..U+DCFF, which valid text never holds, so a record's raw text shows whether it had any.
-ENCODING = dict(encoding="utf-8", errors="surrogateescape")
+# utf-8-sig drops a byte-order mark at the start (Windows editors write one), which would otherwise
+# make the first record malformed JSON.
+ENCODING = dict(encoding="utf-8-sig", errors="surrogateescape")
 _NOT_UTF8 = re.compile("[\udc80-\udcff]")
 
 
@@ -67,7 +70,7 @@ def detect_format(path: Path) -> str:
     if suffix in (".jsonl", ".ndjson"):
         return "jsonl"
     if suffix == ".json":
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open(path, encoding="utf-8-sig", errors="replace") as f:
             head = f.read(4096).lstrip()
         return "json" if head.startswith("[") else "jsonl"
     raise NestlingError(f"{path}: unknown input format {suffix!r}; give .json (ShareGPT list), .jsonl or .parquet")
@@ -75,11 +78,7 @@ def detect_format(path: Path) -> str:
 
 def read_input(path: Path, limit: int | None = None) -> tuple[list[RawRecord], InputReport]:
     """All records of one input file (the first `limit` when given)."""
-    path = Path(path)
-    if not path.exists():
-        raise NestlingError(f"input file {path} does not exist")
-    if path.is_dir():
-        raise NestlingError(f"input {path} is a folder; give the data files themselves (e.g. {path}/*.jsonl)")
+    path = check_input(path)
     fmt = detect_format(path)
     reader = {"json": _read_json_list, "jsonl": _read_jsonl, "parquet": _read_parquet}[fmt]
     report = InputReport(str(path), fmt)
@@ -87,7 +86,26 @@ def read_input(path: Path, limit: int | None = None) -> tuple[list[RawRecord], I
     if report.stopped:  # the cut-off tail is one record too: counted as `truncated_file`, never lost
         records.append(RawRecord(len(records), None, f"truncated: {path.name}: {report.stopped}"))
     report.records = len(records)
+    if not records:
+        raise NestlingError(
+            f"input file {path} holds no records (it is empty, blank or an empty list): give a file of "
+            "conversations, or leave this one out"
+        )
     return records, report
+
+
+def check_input(path: str | Path) -> Path:
+    """An input file, checked before anything is read or written: it exists, is a regular file (a folder,
+    or a named pipe that would block the reader forever, is refused) and is not empty."""
+    from nestling.inputs import regular_file
+
+    p = Path(path)
+    if p.is_dir():
+        raise NestlingError(f"input {p} is a folder; give the data files themselves (e.g. {p}/*.jsonl)")
+    p = regular_file(p, "input file")
+    if p.stat().st_size == 0:
+        raise NestlingError(f"input file {p} is empty (0 bytes): give a file of conversations, or leave it out")
+    return p
 
 
 def read_inputs(inputs: list[Path], limit: int | None) -> tuple[list[tuple[str, RawRecord]], list[InputReport]]:
@@ -114,7 +132,7 @@ def _sample_names(inputs: list[Path]) -> list[str]:
 def _read_json_list(path: Path, limit: int | None, report: InputReport) -> list[RawRecord]:
     """A JSON list read item by item, so that a file cut off mid-record still yields its complete records."""
     text = path.read_text(**ENCODING)
-    decoder = json.JSONDecoder()
+    decoder = json.JSONDecoder(parse_int=parse_json_int)
     n = len(text)
     pos = text.index("[") + 1
     out: list[RawRecord] = []
@@ -183,7 +201,7 @@ def _read_jsonl(path: Path, limit: int | None, report: InputReport) -> list[RawR
                 out.append(RawRecord(lineno, None, f"{path.name}:{lineno + 1}: {bad}", "invalid_utf8"))
                 continue
             try:
-                item = json.loads(line)
+                item = json_loads(line)
             except json.JSONDecodeError as e:
                 out.append(
                     RawRecord(lineno, None, f"{path.name}:{lineno + 1}: malformed JSON ({e.msg} at column {e.colno})")

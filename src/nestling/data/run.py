@@ -24,7 +24,7 @@ from nestling.config import to_dict
 from nestling.data import headstart
 from nestling.data import workers as work
 from nestling.data.dataset import SPLITS, split_files
-from nestling.data.readers import read_inputs
+from nestling.data.readers import check_input, read_inputs
 from nestling.data.settings import DataSettings
 from nestling.data.shards import Shards
 from nestling import outdir
@@ -60,12 +60,7 @@ def _input_paths(inputs: list[str | Path] | str | Path) -> list[Path]:
     paths = [Path(p) for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
     if not paths:
         raise NestlingError("no input files given")
-    for p in paths:
-        if not p.exists():
-            raise NestlingError(f"input file {p} does not exist")
-        if p.is_dir():
-            raise NestlingError(f"input {p} is a folder; give the data files themselves (e.g. {p}/*.jsonl)")
-    return paths
+    return [check_input(p) for p in paths]
 
 
 def _prepare_claimed(
@@ -111,6 +106,12 @@ def _prepare(
     )
     _clear(out)  # our own files only: `out` is a data folder (claimed in prepare_data)
     shards = _tokenize(records, results, fmt, out, settings, workers, target_dir, template, early)
+    if shards.rows == 0:  # later stages would run on nothing: no manifest says this folder is a result
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(shards.counts.items()))
+        raise NestlingError(
+            f"no conversation of {', '.join(map(str, inputs))} could be used: all {len(records)} records were "
+            f"dropped ({reasons}); check the files' format (docs/data.md) or the settings"
+        )
 
     elapsed = time.monotonic() - t0
     manifest = write_manifest(

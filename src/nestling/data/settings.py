@@ -45,3 +45,13 @@ class DataSettings:
             )
         if self.limit is not None and self.limit < 1:
             raise NestlingError(f"limit must be positive, got {self.limit}")
+        if self.workers < 0:
+            raise NestlingError(f"workers is a number of processes (0 = one per CPU core), got {self.workers}")
+        from nestling.data.normalize import ROLES
+
+        bad = {k: v for k, v in self.role_map.items() if v not in ROLES}
+        if bad:
+            k, v = next(iter(bad.items()))
+            raise NestlingError(
+                f"role_map.{k}={v!r} maps to no role nestling knows; map each name to one of {', '.join(ROLES)}"
+            )

@@ -28,7 +28,6 @@ line and differ only in which keys a query may attend to.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -121,10 +120,16 @@ class DraftConfig:
 
     @classmethod
     def load(cls, path: Path) -> "DraftConfig":
+        from nestling.inputs import read_json
+
         path = Path(path)
         if not path.exists():
             raise NestlingError(f"{path} is missing: not a nestling training folder")
-        return cls(**json.loads(path.read_text()))
+        fields = read_json(path, "draft config", hint="train again into a new --out")
+        try:
+            return cls(**fields)
+        except TypeError as e:  # an unknown or missing key: an edited or foreign file
+            raise NestlingError(f"draft config {path} does not describe a draft ({e}); train again") from None
 
     def trainable_params(self) -> int:
         """Parameters training updates (fc, the decoder layers, norm, lm_head; not the frozen embedding),

@@ -52,15 +52,18 @@ def target_to_draft_index(t2d: torch.Tensor) -> torch.Tensor:
 
 
 def save_vocab(path: Path, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-    from safetensors.torch import save_file
+    from nestling.inputs import save_safetensors
 
     tmp = Path(path).with_name(f".{Path(path).name}.tmp")
-    save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(tmp))
+    save_safetensors({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, tmp)
     tmp.replace(path)
 
 
 def load_vocab(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    from safetensors.torch import load_file
+    from nestling.errors import NestlingError
+    from nestling.inputs import load_safetensors
 
-    t = load_file(str(path))
+    t = load_safetensors(path, "vocabulary file", "remove it, or give a vocabulary a nestling run wrote")
+    if "d2t" not in t or "t2d" not in t:
+        raise NestlingError(f"vocabulary file {path} holds {sorted(t)[:4]}, not d2t and t2d: not a draft vocabulary")
     return t["d2t"], t["t2d"]

@@ -3,7 +3,6 @@ rendered to token ids with the target's own chat template (one rendering for bot
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from nestling.errors import NestlingError
@@ -29,24 +28,18 @@ def load_prompts(source: str | Path, tokenizer, limit: int | None = None) -> lis
         samples = load_samples(src, "heldout")
         prompts = [p for p in (_last_user_turn(list(s.input_ids), list(s.loss_mask)) for s in samples) if p]
     else:
-        if not src.exists():
-            raise NestlingError(f"prompts file {src} does not exist")
+        from nestling.inputs import json_loads, read_text
+
         prompts = []
-        try:
-            text = src.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise NestlingError(
-                f"prompts file {src} is not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
-                "save it as UTF-8"
-            ) from None
+        text = read_text(src, "prompts file")
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
+                rec = json_loads(line)
+            except ValueError as e:
                 raise NestlingError(
-                    f"{src}:{n} is not valid JSON ({e.msg}); each line must be an object with 'messages' or 'prompt'"
+                    f"{src}:{n} is not valid JSON ({str(e)[:200]}); each line must be an object with 'messages' or 'prompt'"
                 ) from None
             except RecursionError:
                 raise NestlingError(
@@ -69,3 +62,29 @@ def load_prompts(source: str | Path, tokenizer, limit: int | None = None) -> lis
     if not prompts:
         raise NestlingError(f"{src} holds no prompts")
     return prompts[:limit] if limit else prompts
+
+
+def fit_context(prompts: list[list[int]], context: int | None, room: int) -> list[list[int]]:
+    """Prompts cut to leave `room` tokens (generation and drafting) in the target's `context`
+    (max_position_embeddings; None = unknown: unchanged): a longer prompt is cut from the front, keeping
+    the end, which holds the last user turn and the generation prompt, with a log line that says so.
+    Decoding past the context is garbage (and a 300k-token prompt takes the reference decoder's memory
+    for minutes before any output); a context with no room at all is refused before any work."""
+    from nestling.progress import log
+
+    if not context:
+        return prompts
+    keep = context - room
+    if keep < 1:
+        raise NestlingError(
+            f"the target's context is {context} tokens, and max_new_tokens + k need {room}: no room for a prompt; "
+            "lower max_new_tokens"
+        )
+    cut = [i for i, p in enumerate(prompts) if len(p) > keep]
+    if cut:
+        longest = max(len(prompts[i]) for i in cut)
+        log(
+            f"[eval] {len(cut)} prompt(s) longer than the target's context allows ({keep} tokens of {context}, "
+            f"with max_new_tokens and k; the longest {longest}) were cut to their last {keep} tokens"
+        )
+    return [p[-keep:] if len(p) > keep else p for p in prompts]

@@ -172,12 +172,14 @@ def _engine_this_machine_serves(target_dir: Path, s: EvalSettings) -> EvalSettin
 
 
 def _evaluate(draft_dir: Path, target_dir: Path, prompts: str | Path, out: Path, s: EvalSettings) -> dict:
-    from nestling.evaluate.prompts import load_prompts
+    from nestling.evaluate.prompts import fit_context, load_prompts
     from nestling.evaluate.report import write_report
-    from nestling.targets.load import load_tokenizer, target_fingerprint
+    from nestling.targets.load import load_config, load_tokenizer, target_fingerprint
 
     tok = load_tokenizer(target_dir)
-    ids = load_prompts(prompts, tok, s.max_prompts)
+    config = load_config(target_dir)
+    context = getattr(config.get_text_config(), "max_position_embeddings", None)
+    ids = fit_context(load_prompts(prompts, tok, s.max_prompts), context, s.max_new_tokens + s.k + 1)
     s = _engine_this_machine_serves(target_dir, s)
     log(f"[eval] {len(ids)} prompts, k={s.k}, engine={s.engine}, temperature={s.temperature}")
     engines: dict[str, dict] = {}

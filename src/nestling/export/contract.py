@@ -284,6 +284,11 @@ def check_native_config(cfg: dict, c: DraftConfig, where: str = "config.json") -
         raise NestlingError(f"{where} breaks the export contract: " + "; ".join(bad))
 
 
+# The config's sizes the draft is built from: each a positive int (an edited "wide" or 0 would be met
+# later as a TypeError or an empty tensor).
+SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
+
+
 def draft_config_from_native(cfg: dict) -> DraftConfig:
     """Rebuild the DraftConfig of an exported folder (for eval and for the reload check)."""
     n = cfg.get("nestling") or {}
@@ -295,6 +300,10 @@ def draft_config_from_native(cfg: dict) -> DraftConfig:
         raise NestlingError("the draft config names no aux layer ids (eagle_aux_hidden_state_layer_ids)")
     rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 10000.0))}
     norms = norms_from_config(cfg)
+    for key in SIZES:
+        v = cfg.get(key, 1)
+        if type(v) is not int or v < 1:  # type() also refuses a bool, which is an int
+            raise ValueError(f"{key} is {v!r}, not a positive whole number")
     return DraftConfig(
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -320,20 +329,25 @@ def draft_config_from_native(cfg: dict) -> DraftConfig:
 
 def read_draft_folder(folder: Path) -> tuple[dict, DraftConfig, dict[str, torch.Tensor]]:
     """(engine config dict, DraftConfig, tensors) of a native or speculators export folder."""
-    import json
-
-    from safetensors.torch import load_file
+    from nestling.inputs import load_safetensors, read_json
 
     folder = Path(folder)
     if not (folder / CONFIG).exists() or not (folder / WEIGHTS).exists():
         raise NestlingError(
             f"{folder} is not an exported draft: it needs {CONFIG} and {WEIGHTS} (run `nestling export`)"
         )
-    cfg = json.loads((folder / CONFIG).read_text())
+    redo = "export the draft again (`nestling export TRAIN_DIR --out DIR`)"
+    cfg = read_json(folder / CONFIG, "draft config", hint=redo)
     layer_cfg = cfg
     if "speculators_config" in cfg:  # speculators layout: the Llama layer config is nested
         layer_cfg = {
             **cfg["transformer_layer_config"],
             **{k: v for k, v in cfg.items() if k != "transformer_layer_config"},
         }
-    return cfg, draft_config_from_native(layer_cfg), load_file(str(folder / WEIGHTS))
+    try:
+        draft = draft_config_from_native(layer_cfg)
+    except (KeyError, TypeError, ValueError) as e:  # a field missing or of the wrong type: an edited file
+        raise NestlingError(
+            f"draft config {folder / CONFIG} is damaged or edited ({type(e).__name__}: {e}); {redo}"
+        ) from None
+    return cfg, draft, load_safetensors(folder / WEIGHTS, "draft weights", redo)

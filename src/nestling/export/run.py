@@ -20,6 +20,7 @@ from nestling.draft.vocab import load_vocab
 from nestling.errors import NestlingError
 from nestling.export import contract
 from nestling.export.settings import ExportSettings
+from nestling.inputs import read_json
 from nestling.manifest import MANIFEST, hash_files, read_manifest, write_manifest
 from nestling.progress import log
 from nestling.targets.layers import sglang_layer_ids, vllm_layer_ids
@@ -56,7 +57,7 @@ def check_target(train_dir: Path, manifest: dict, cfg: DraftConfig, override: st
 
 
 def load_trained(train_dir: Path, checkpoint: str | None) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
+    from nestling.inputs import load_safetensors
 
     cfg = DraftConfig.load(train_dir / "draft_config.json")
     weights = Path(checkpoint) / "model.safetensors" if checkpoint else train_dir / "model.safetensors"
@@ -64,7 +65,7 @@ def load_trained(train_dir: Path, checkpoint: str | None) -> tuple[DraftConfig, 
         raise NestlingError(
             f"{weights} is missing: training has not written a final model (run `nestling train` to the end)"
         )
-    tensors = load_file(str(weights))
+    tensors = load_safetensors(weights, "trained weights", "train again (or give another checkpoint=)")
     vocab = train_dir / "vocab.safetensors"
     if vocab.exists():  # the vocabulary file is authoritative when both are present
         d2t, t2d = load_vocab(vocab)
@@ -107,7 +108,7 @@ def _export(
     tensors = contract.engine_tensors(tensors, cfg)  # full vocabulary: no d2t / t2d (vLLM refuses them)
     contract.check_tensors(tensors, cfg, dtype, where=f"{train_dir} weights")
 
-    target_cfg = json.loads((target / "config.json").read_text())
+    target_cfg = read_json(target / "config.json", "target config", hint="give the target's own folder (target=PATH)")
     native = contract.native_config(cfg, target_cfg, settings.dtype)
     if settings.format == "speculators":
         from nestling.export.speculators import speculators_config
@@ -118,7 +119,7 @@ def _export(
     else:
         config = native
 
-    from safetensors.torch import save_file
+    from nestling.inputs import save_safetensors
 
     for stale in out.glob(f"{BUILD_PREFIX}*"):  # a build a killed export left (we hold the folder's lock)
         shutil.rmtree(stale)
@@ -126,7 +127,7 @@ def _export(
     try:
         build.mkdir()
         (build / contract.CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        save_file(tensors, str(build / contract.WEIGHTS), metadata={"format": "pt"})
+        save_safetensors(tensors, build / contract.WEIGHTS, metadata={"format": "pt"})
         verify(build, cfg, dtype)
         swap_in(build, out)
     finally:
@@ -196,11 +197,18 @@ def verify(folder: Path, cfg: DraftConfig, dtype: torch.dtype) -> None:
 
 
 def check_draft_matches_target(draft_dir: Path, target: str | Path) -> None:
-    """Refuse a draft folder exported for another target, or whose weights hold NaN/inf (used by eval)."""
+    """Refuse a draft folder exported for another target, whose weights hold NaN/inf, or whose config and
+    weights break the export contract (an edited config.json, transposed or reshaped tensors): eval holds
+    a draft folder to the same contract export wrote it by, before any engine loads it (used by eval)."""
     from nestling.targets.load import target_fingerprint
 
     raw, cfg, tensors = contract.read_draft_folder(draft_dir)
     contract.check_finite(tensors, f"the draft in {draft_dir}")
+    dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.bfloat16)
+    try:
+        contract.check_tensors(tensors, cfg, dtype, where=f"the weights of the draft in {draft_dir}")
+    except NestlingError as e:  # its config.json or weights were edited since export
+        raise NestlingError(f"{e}. Export the draft again (`nestling export TRAIN_DIR --out DIR`)") from None
     want = cfg.target_fingerprint
     if not want:
         raise NestlingError(f"{draft_dir} carries no target fingerprint (not exported by nestling?)")

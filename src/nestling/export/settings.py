@@ -13,3 +13,12 @@ class ExportSettings:
     num_speculative_tokens: int = 3  # written into the speculators layout (vllm serve DRAFT)
     target: str | None = None  # where the target is now, if it moved since training (still fingerprinted)
     checkpoint: str | None = None  # a checkpoints/step-N folder instead of the final model.safetensors
+
+    def __post_init__(self) -> None:
+        from nestling.errors import NestlingError
+
+        if self.num_speculative_tokens < 1:
+            raise NestlingError(
+                f"num_speculative_tokens (--k) is how many tokens the draft proposes per step, at least 1, got "
+                f"{self.num_speculative_tokens}"
+            )

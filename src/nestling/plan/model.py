@@ -8,7 +8,6 @@ MoE with shared experts and leading dense layers: DeepSeek-V3, Kimi-K2).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,15 +31,15 @@ GROUP_MODULES = {
 def read_config(path: str | Path) -> dict:
     """config.json of a model folder (or the file itself), as a dict; the text part of a multimodal one
     keeps the top level's quantization_config."""
+    from nestling.inputs import read_json
+
     p = Path(path)
     f = p / "config.json" if p.is_dir() else p
     if not f.is_file():
         raise NestlingError(f"{path}: no config.json there; give a model folder or the path of its config.json")
-    try:
-        cfg = json.loads(f.read_text())
-    except ValueError as e:
-        raise NestlingError(f"{f} is not valid JSON ({e})") from None
-    return text_config(cfg)
+    cfg = text_config(read_json(f, "config", hint="give the model's own config.json"))
+    check_config(cfg, f)
+    return cfg
 
 
 def text_config(cfg: dict) -> dict:
@@ -48,7 +47,61 @@ def text_config(cfg: dict) -> dict:
     text = cfg.get("text_config")
     if isinstance(text, dict):
         return {**text, "quantization_config": text.get("quantization_config") or cfg.get("quantization_config")}
+    if text is not None:
+        raise NestlingError(f"the config's text_config is a {type(text).__name__}, not a mapping of settings")
     return cfg
+
+
+# The sizes every plan reads, and the ones it reads where present; each a whole number in [1, MAX_DIM]
+# (0 where ZERO_OK), so a config of zeros, nulls, NaN or strings is named here, not met as a
+# ZeroDivisionError or a plan that "fits" a model of no heads. MAX_DIM: 16M, past any real dimension.
+REQUIRED = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
+OPTIONAL = (
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "q_lora_rank",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "moe_layer_freq",
+    "n_shared_experts",
+    "first_k_dense_replace",
+)
+ZERO_OK = ("n_shared_experts", "first_k_dense_replace", "n_routed_experts", "q_lora_rank")
+MAX_DIM = 2**24
+MAX_PARAMS = 10**15  # a thousand times the largest model released: a config past it is wrong
+
+
+def check_config(cfg: dict, where: str | Path) -> None:
+    """Every size the plan reads is a whole number in range, and the heads divide as attention needs."""
+    for key in REQUIRED + OPTIONAL:
+        v = cfg.get(key)
+        if v is None:
+            if key in REQUIRED:
+                raise NestlingError(f"{where} has no {key}; nestling plan needs it to count parameters")
+            continue
+        low = 0 if key in ZERO_OK else 1
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and float(v).is_integer()
+        if not ok or not low <= v <= MAX_DIM:
+            raise NestlingError(
+                f"{where}: {key} is {v!r}; it must be a whole number from {low} to {MAX_DIM:,}: check the config"
+            )
+        cfg[key] = int(v)
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if heads % kv:
+        raise NestlingError(
+            f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}: check the config"
+        )
+    if not cfg.get("head_dim") and cfg["hidden_size"] < heads:
+        raise NestlingError(
+            f"{where}: hidden_size {cfg['hidden_size']} is smaller than num_attention_heads {heads} (no head_dim "
+            "given): check the config"
+        )
 
 
 def _need(cfg: dict, *keys: str) -> list[int]:

@@ -215,6 +215,11 @@ def plan(target: str | Path, settings: PlanSettings | None = None) -> dict:
     disk = parse_size(s.disk) if s.disk else None
 
     params = M.count_params(cfg)
+    if params.n_total > M.MAX_PARAMS:
+        raise NestlingError(
+            f"{target}: its config describes {params.n_total:.3g} parameters, more than any model ({M.MAX_PARAMS:.0e}): "
+            "check the config's sizes"
+        )
     quant = M.quantization(cfg)
     weights = sum(M.weight_bytes(cfg, params).values())
     loaded = M.loaded_weight_bytes(cfg, params)  # the hf backend and online training: compressed-tensors dequantized

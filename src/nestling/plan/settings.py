@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from nestling.errors import NestlingError
@@ -57,5 +58,9 @@ class PlanSettings:
             raise NestlingError(
                 f"moe_efficiency is a share of the dense capture rate in (0, 1], got {self.moe_efficiency}"
             )
-        if self.epochs <= 0:
+        if not (math.isfinite(self.epochs) and self.epochs > 0):
             raise NestlingError(f"epochs must be positive, got {self.epochs}")
+        if self.gpu_tflops is not None and not (math.isfinite(self.gpu_tflops) and self.gpu_tflops > 0):
+            raise NestlingError(
+                f"gpu_tflops is the GPU's dense bf16 TFLOP/s, a positive number (or unset), got {self.gpu_tflops}"
+            )

@@ -12,8 +12,11 @@ backend the final norm) read them straight from the safetensors files, never the
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,20 +37,54 @@ def convert_gguf(gguf: Path, out: Path, dtype: str = "bfloat16") -> Path:
     gguf = Path(gguf)
     if not gguf.exists():
         raise NestlingError(f"GGUF file {gguf} does not exist")
+    check_gguf_header(gguf)
     log(f"[target] converting {gguf.name} to a {dtype} safetensors folder at {out} (once) ...")
     kw: dict[str, Any] = {"gguf_file": gguf.name}
     try:
         kw["quantization_config"] = GgufConfig(dequantize=True)
     except TypeError:
         pass
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=getattr(torch, dtype), **kw)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=getattr(torch, dtype), **kw)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as e:  # noqa: BLE001 - the GGUF reader fails on a damaged file with struct.error, ValueError, ...
+        raise _damaged_gguf(gguf, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from None
     tmp = Path(str(out) + ".part")
     tmp.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     tmp.rename(out) if not out.exists() else None
     return out
+
+
+def _damaged_gguf(gguf: Path, why: str) -> NestlingError:
+    return NestlingError(
+        f"GGUF file {gguf} cannot be read ({why}): it is cut off or damaged; download it again "
+        "(or give the model's Hugging Face folder)"
+    )
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf_header(gguf: Path) -> None:
+    """The GGUF header against the file: the magic, and tensor and metadata counts the file's bytes can
+    hold (each entry takes at least 8 bytes), so an empty, random or overflowing file is named before the
+    reader meets it (as struct.error or an allocation of exabytes)."""
+    import struct
+
+    from nestling.inputs import regular_file
+
+    size = regular_file(gguf, "GGUF file").stat().st_size
+    with open(gguf, "rb") as f:
+        head = f.read(24)
+    if len(head) < 24 or head[:4] != GGUF_MAGIC:
+        raise _damaged_gguf(gguf, f"{size} bytes without the GGUF header" if head[:4] != GGUF_MAGIC else "too short")
+    _version, n_tensors, n_kv = struct.unpack("<IQQ", head[4:24])
+    if (n_tensors + n_kv) * 8 > size:
+        raise _damaged_gguf(
+            gguf, f"its header claims {n_tensors:,} tensors and {n_kv:,} metadata entries in {size:,} bytes"
+        )
 
 
 def resolve_target(model: str | Path) -> Path:
@@ -83,8 +120,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def require_safetensors(target_dir: Path) -> None:
     """Refuse a target whose weights are not safetensors, before transformers (or vLLM) touches them:
-    a pickled `pytorch_model.bin` runs whatever code it carries when loaded."""
-    if any(target_dir.glob("*.safetensors")):
+    a pickled `pytorch_model.bin` runs whatever code it carries when loaded. Each safetensors file's
+    header is checked against the file (`inputs.safetensors_header`): one cut off, or whose header
+    claims more than the file holds, is named here, not met inside transformers or vLLM."""
+    from nestling.inputs import safetensors_header
+
+    weights = sorted(target_dir.glob("*.safetensors"))
+    for f in weights:
+        safetensors_header(f, "target weights", "download or copy the model folder again")
+    if weights:
         return
     pickled = sorted(f.name for pat in PICKLE_WEIGHTS for f in target_dir.glob(pat))
     if pickled:
@@ -104,11 +148,57 @@ def _listing(folder: Path, n: int = 5) -> str:
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "") if names else "nothing"
 
 
+class _Report(logging.Handler):
+    """transformers' load report (its table of missing, unexpected and mismatched tensors), held back
+    while a model loads: passed on as it was when the load succeeds, summed up in nestling's one-line
+    error when it fails (the table would otherwise precede the error with dozens of lines)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+        self.failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def mismatch(self) -> str | None:
+        """The report's first mismatched tensor, as one line."""
+        for r in self.records:
+            line = next((ln for ln in r.getMessage().splitlines() if "MISMATCH" in ln), None)
+            if line:
+                return " ".join(line.replace("|", " ").split())[:300]
+        return None
+
+
+@contextlib.contextmanager
+def _load_report() -> Iterator[_Report]:
+    logger = logging.getLogger("transformers.modeling_utils")
+    report, propagate = _Report(), logger.propagate
+    logger.addHandler(report)
+    logger.propagate = False
+    try:
+        yield report
+    finally:
+        logger.removeHandler(report)
+        logger.propagate = propagate
+        if not report.failed:
+            for r in report.records:
+                logger.handle(r)
+
+
+def _first_line(e: BaseException) -> str:
+    """The first non-blank line of an error's message, for a one-line report (transformers' run long);
+    a "size mismatch" line where there is one (the line that names the tensor)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    line = next((ln for ln in lines if "size mismatch" in ln), lines[0] if lines else type(e).__name__)
+    return line[:300]
+
+
 def _transformers_error(what: str, folder: Path, e: Exception) -> NestlingError:
     """transformers' error when it cannot read a folder, as one line that names the folder."""
-    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+    first = _first_line(e)
     return NestlingError(
-        f"cannot read the {what} of {folder} ({type(e).__name__}: {first[:300]}); check that it is a "
+        f"cannot read the {what} of {folder} ({type(e).__name__}: {first}); check that it is a "
         "complete Hugging Face model folder whose model_type this transformers version knows"
     )
 
@@ -247,7 +337,16 @@ def load_model(
         kw["distributed_config"] = DistributedConfig(tp_size=tp_size)
     with warnings.catch_warnings():  # "you passed quantization_config ... the model's will be used": meant so
         warnings.filterwarnings("ignore", message=".*already has a `quantization_config` attribute.*")
-        model = AutoModelForCausalLM.from_pretrained(path, **kw)
+        with _load_report() as report:
+            try:
+                model = AutoModelForCausalLM.from_pretrained(path, **kw)
+            except (RuntimeError, ValueError, KeyError, TypeError, OSError) as e:  # weights unlike the config, ...
+                report.failed = True
+                why = report.mismatch() or f"{type(e).__name__}: {_first_line(e)}"
+                raise NestlingError(
+                    f"cannot load the target {path} ({why}): its config.json does not match its weights, or the "
+                    "folder is damaged; download or copy the model folder again"
+                ) from None
     if quantized:
         _finish_dequantize(model, getattr(torch, dtype))
     if not device_map and tp_size == 1:
@@ -258,10 +357,14 @@ def load_model(
 def _weight_map(target_dir: Path) -> dict[str, str]:
     index = target_dir / "model.safetensors.index.json"
     if index.exists():
-        return json.loads(index.read_text())["weight_map"]
+        from nestling.inputs import read_json
+
+        wmap = read_json(index, "weight index", hint="download or copy the model folder again").get("weight_map")
+        if not isinstance(wmap, dict):
+            raise NestlingError(f"weight index {index} has no weight_map; download or copy the model folder again")
+        return wmap
     files = sorted(target_dir.glob("*.safetensors"))
-    if not files:
-        require_safetensors(target_dir)
+    require_safetensors(target_dir)
     from safetensors import safe_open
 
     out = {}

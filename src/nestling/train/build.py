@@ -98,6 +98,8 @@ def build_run(
     torch.manual_seed(s.seed)
     head = read_head(inp.target, plan.vocab_size, plan.hidden_size)
     draft = build_draft(plan.cfg, head, plan.d2t, plan.t2d, s.lm_head_init, s.head_frozen)
+    if state is not None:
+        ckpt.check_weights(start, weights, draft.export_state_dict())  # type: ignore[arg-type]
     amp = _amp(device, s)
     draft.to(device)
     if amp != torch.float32:

@@ -59,8 +59,9 @@ def save(
     extra: dict,
     keep: int,
 ) -> Path:
-    """Write checkpoint `step` atomically and keep only the newest `keep`."""
-    from safetensors.torch import save_file
+    """Write checkpoint `step` atomically and keep only the newest `keep`. A write that fails (a full
+    disk, a file-size limit) removes the partial checkpoint and keeps the earlier ones."""
+    from nestling.inputs import save_safetensors
 
     root = Path(root)
     final = step_dir(root, step)
@@ -69,7 +70,7 @@ def save(
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+        save_safetensors({k: v.detach().cpu().contiguous() for k, v in weights.items()}, tmp / "model.safetensors")
         torch.save(optimizer_state, tmp / "optimizer.pt")
         state = {
             "step": step,
@@ -83,15 +84,19 @@ def save(
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-    except OSError as e:  # a full disk, most often: drop the partial checkpoint, keep the earlier ones
+    except (OSError, RuntimeError) as e:  # a full disk or a size limit (torch.save's is a RuntimeError)
         shutil.rmtree(tmp, ignore_errors=True)
         kept = list_checkpoints(root)
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:200]
         raise NestlingError(
-            f"could not write checkpoint {final.name} in {root} ({e.strerror or e}); the partial checkpoint was "
+            f"could not write checkpoint {final.name} in {root} ({why}); the partial checkpoint was "
             f"removed, "
             + (f"{kept[-1].name} is kept" if kept else "no earlier checkpoint exists")
             + ".\n  Free space (or fix the folder) and run the same command with --resume to continue."
         ) from e
+    except BaseException:  # anything else (an interrupt): the partial checkpoint goes too
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -110,21 +115,45 @@ def clean_partial(root: Path) -> None:
 
 def load(path: Path, config_key: str) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """(weights, optimizer state, state.json) of a checkpoint made with the same configuration."""
-    from safetensors.torch import load_file
+    from nestling.inputs import load_safetensors, read_json
 
     path = Path(path)
     state_file = path / "state.json"
     if not state_file.exists():
         raise NestlingError(f"{path} is not a nestling checkpoint (state.json is missing)")
-    state = json.loads(state_file.read_text())
+    hint = "resume from another checkpoint, or train into a new --out without resuming"
+    state = read_json(state_file, "checkpoint state", hint=hint)
     if state.get("config_key") != config_key:
         raise NestlingError(
             f"checkpoint {path} was made with another configuration (draft shape, vocabulary, target, data or "
             f"batch settings differ: {state.get('config_key')} != {config_key}); resume with the settings it was "
             f"made with, or start a new --out folder without --resume"
         )
-    weights = load_file(str(path / "model.safetensors"))
+    weights = load_safetensors(path / "model.safetensors", "checkpoint weights", hint)
     return weights, load_optimizer_state(path / "optimizer.pt"), state
+
+
+def check_weights(path: Path, weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """A checkpoint's weights against the draft they resume: the same names and shapes, every value
+    finite. Refused otherwise, before any of it is loaded: a NaN checkpoint would train (and write) a
+    NaN model, a reshaped one fail inside torch."""
+    from nestling.export.contract import non_finite
+
+    problems = [f"missing {n}" for n in expected if n not in weights]
+    problems += [f"unexpected {n}" for n in weights if n not in expected]
+    problems += [
+        f"{n}: shape {tuple(weights[n].shape)}, the draft's is {tuple(t.shape)}"
+        for n, t in expected.items()
+        if n in weights and weights[n].shape != t.shape
+    ]
+    problems += non_finite(weights)
+    if problems:
+        raise NestlingError(
+            f"checkpoint {path} cannot be resumed: "
+            + "; ".join(problems[:3])
+            + ("; ..." if len(problems) > 3 else "")
+            + ". Resume from another checkpoint, or train into a new --out without resuming"
+        )
 
 
 def load_optimizer_state(path: Path) -> dict:

@@ -15,7 +15,9 @@ import torch
 
 from nestling.draft.vocab import build_vocab, count_tokens, draft_ids_to_target, load_vocab
 from nestling.errors import NestlingError
+from nestling.capture.store import shard_rows
 from nestling.manifest import read_manifest
+from nestling.progress import log
 from nestling.targets.load import load_config, resolve_target, target_fingerprint
 from nestling.train import features
 from nestling.train.data import read_index
@@ -120,6 +122,12 @@ def check_inputs(capture_dir: Path, s: TrainSettings) -> Inputs:
                     f"shard {path} holds layers {meta['layer_ids']}, the capture manifest says "
                     f"{layer_ids}: the folder mixes captures; capture again into a fresh folder"
                 )
+            rows = shard_rows(entries)[shard]
+            if shape[0] != rows:
+                raise NestlingError(
+                    f"shard {path} holds {shape[0]} token rows, its index.json says {rows}: the index or the shard "
+                    "was edited or is damaged; capture again into a new --out folder"
+                )
             if list(shape[1:]) != [n_ids, int(text.hidden_size)]:
                 raise NestlingError(
                     f"shard {path} holds hidden states of shape [*, {', '.join(map(str, shape[1:]))}], "
@@ -176,6 +184,11 @@ def make_vocab(inp: Inputs, s: TrainSettings, out: Path, vocab_size: int) -> tup
     elif (out / "vocab.safetensors").exists():
         d2t, t2d = load_vocab(out / "vocab.safetensors")
     else:
+        if s.draft_vocab_size > vocab_size:
+            log(
+                f"[train] draft_vocab_size={s.draft_vocab_size} is larger than the target's vocabulary: the draft "
+                f"drafts from all {vocab_size} tokens (draft_vocab_size={vocab_size})"
+            )
         d2t, t2d = build_vocab(counts, min(s.draft_vocab_size, vocab_size))
     where = s.vocab or out / "vocab.safetensors"
     if t2d.numel() != vocab_size:

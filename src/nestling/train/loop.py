@@ -6,6 +6,7 @@ The next step's microbatches load in a thread (`data.Prefetcher`) while this one
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -41,6 +42,16 @@ def save_checkpoint(run: Run, at: int) -> None:
             run.s.keep_checkpoints,
         )
     dist.barrier(run.d)
+
+
+def heldout_non_finite(step: int, where: str) -> str:
+    """The message when the held-out loss is NaN or inf while training's is finite (the guard passed):
+    the held-out split's inputs hold NaN/inf, and a report of `loss nan` would pass for a result."""
+    return (
+        f"training stopped: the held-out loss is not finite (NaN or inf) at step {step} of {where}, while the "
+        "training loss is.\n  The held-out split holds NaN/inf values: check the capture with `nestling capture "
+        f"--verify DIR` and capture it again; checkpoints before step {step} are kept."
+    )
 
 
 def run_steps(run: Run, feed: Feed, clocks: Clocks, metrics: MetricsLog, prog: Progress | None, inp: Inputs) -> None:
@@ -94,6 +105,9 @@ def run_steps(run: Run, feed: Feed, clocks: Clocks, metrics: MetricsLog, prog: P
             prog.update(1, tokens=tokens)
         if (s.eval_every > 0 and step % s.eval_every == 0) or step == total:
             ev = evaluate(run, feed)
+            if ev is not None and not math.isfinite(ev["loss"]):
+                prefetch.close()
+                raise NestlingError(heldout_non_finite(step, str(inp.capture_dir)))
             if ev is not None:
                 metrics.write({"step": step, "split": "heldout", **ev})
                 if d.main:

@@ -213,10 +213,14 @@ def _finish(run: Run, inp: Inputs, metrics: MetricsLog) -> dict:
     weights, _ = dist.full_state(run.model, run.optimizer, d, s.parallel)
     manifest: dict = {}
     if d.main:
-        from safetensors.torch import save_file
+        from nestling.inputs import save_safetensors
 
         tmp = out / ".model.safetensors.tmp"
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp), metadata={"format": "pt"})
+        try:
+            save_safetensors({k: v.contiguous() for k, v in weights.items()}, tmp, metadata={"format": "pt"})
+        except BaseException:  # a full disk or a size limit: no half-written file stays behind
+            tmp.unlink(missing_ok=True)
+            raise
         tmp.replace(out / "model.safetensors")
         metrics.close()
         plot(out / "metrics.jsonl", out / "plot.png")

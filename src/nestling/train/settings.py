@@ -91,6 +91,10 @@ class TrainSettings:
                 "or leave it unset to train `epochs` passes"
             )
         _check_positive("epochs", self.epochs)
+        if self.draft_vocab_size < 1:
+            raise NestlingError(
+                f"draft_vocab_size is the number of tokens the draft can propose, at least 1, got {self.draft_vocab_size}"
+            )
         for name in ("min_lr_ratio", "warmup_ratio"):
             v = getattr(self, name)
             if not (math.isfinite(v) and 0 <= v <= 1):
