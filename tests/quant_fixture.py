@@ -4,9 +4,12 @@ The dense tiny target's safetensors are quantized tensor by tensor, the way a re
 (Kimi-K2.5's routed experts, say) stores them: every Linear projection of the decoder, MoE experts one
 by one, becomes `weight_packed` (int4 packed into int32) + `weight_scale` (one per group of 32 inputs)
 + `weight_shape`, through compressed-tensors' own `calculate_qparams` and `PackedQuantizationCompressor`;
-`config.json` gets the `quantization_config` compressed-tensors writes (`ignore: [lm_head]`; embeddings,
-norms and the MoE router are not Linear layers and stay dense). The folders are built once into the
-nestling cache, keyed on the dense weights and this file. W8A8 checkpoints (FP8 or int8 weights with a
+`config.json` gets the `quantization_config` compressed-tensors writes. What is quantized is the
+`ignore` list of that config (`SCOPES`), matched by compressed-tensors' own `match_name`: scope "all"
+ignores only `lm_head` (embeddings, norms and the MoE router are not Linear layers and stay dense);
+scope "experts" is Kimi-K2.5's list, which leaves attention, the shared expert and the dense layers' MLP
+unquantized, so only the routed experts are int4. The folders are built once into the nestling cache,
+keyed on the dense weights and this file. W8A8 checkpoints (FP8 or int8 weights with a
 scale per output channel, activations quantized per token at run time) are made the same way.
 """
 
@@ -25,17 +28,32 @@ LINEAR = re.compile(
     r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|q_a_proj|q_b_proj|"
     r"kv_a_proj_with_mqa|kv_b_proj)\.weight$"
 )
+# What a checkpoint leaves unquantized (its quantization_config's `ignore`), by scope. "experts" is
+# Kimi-K2.5's (and Kimi-K2-Thinking's) list: only the routed experts (`mlp.experts.N.*`) remain.
+SCOPES = {
+    "all": ["lm_head"],
+    "experts": ["lm_head", r"re:.*self_attn.*", r"re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"],
+}
 
 
-def w4a16_scheme():
+def w4a16_scheme(group: int = GROUP):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group)
     return QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
 
 
-def write_quantized(src: Path, out: Path, compress, scheme, fmt: str) -> None:
-    """Copy the dense folder `src` to `out` with every decoder Linear weight replaced by
+def quantized(name: str, ignore: list[str]) -> bool:
+    """Whether the tensor `name` is a decoder Linear weight that `ignore` does not exempt (module names
+    matched as compressed-tensors and vLLM match them: exact, or `re:` + a regex from the start)."""
+    from compressed_tensors.utils.match import match_name
+
+    module = name[: -len(".weight")]
+    return bool(LINEAR.search(name)) and not any(match_name(module, t) for t in ignore)
+
+
+def write_quantized(src: Path, out: Path, compress, scheme, fmt: str, ignore: list[str]) -> None:
+    """Copy the dense folder `src` to `out` with every decoder Linear weight not in `ignore` replaced by
     `compress(weight)` (the compressed tensors by suffix) and the quantization_config compressed-tensors
     writes for `scheme` in `fmt`."""
     from compressed_tensors.quantization import QuantizationConfig
@@ -45,44 +63,45 @@ def write_quantized(src: Path, out: Path, compress, scheme, fmt: str) -> None:
     for f in sorted(Path(out).glob("*.safetensors")):
         packed = {}
         for name, w in load_file(str(f)).items():
-            if not LINEAR.search(name):
+            if not quantized(name, ignore):
                 packed[name] = w
                 continue
             for k, v in compress(w).items():
                 packed[name[: -len("weight")] + k] = v.contiguous()
         save_file(packed, str(f), metadata={"format": "pt"})
     qcfg = QuantizationConfig(
-        config_groups={"group_0": scheme}, ignore=["lm_head"], format=fmt, quantization_status="compressed"
+        config_groups={"group_0": scheme}, ignore=list(ignore), format=fmt, quantization_status="compressed"
     )
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "compressed-tensors", **qcfg.model_dump(exclude={"quant_method"})}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
-def quantize_w4a16(src: Path, out: Path) -> None:
-    """Write `src` (a dense HF folder) to `out` as a W4A16 pack-quantized compressed-tensors checkpoint."""
+def quantize_w4a16(src: Path, out: Path, scope: str = "all", group: int = GROUP) -> None:
+    """Write `src` (a dense HF folder) to `out` as a W4A16 pack-quantized compressed-tensors checkpoint
+    (what is quantized: `SCOPES[scope]`; int4 symmetric, one scale per `group` inputs)."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    scheme = w4a16_scheme()
+    scheme = w4a16_scheme(group)
 
     def compress(w: torch.Tensor) -> dict:
-        groups = w.unflatten(-1, (-1, GROUP))
+        groups = w.unflatten(-1, (-1, group))
         scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
         return PackedQuantizationCompressor.compress(
             {"weight": w, "weight_scale": scale, "weight_zero_point": zero}, scheme
         )
 
-    write_quantized(src, out, compress, scheme, "pack-quantized")
+    write_quantized(src, out, compress, scheme, "pack-quantized", SCOPES[scope])
 
 
-def dequantize_folder(src: Path, out: Path) -> None:
+def dequantize_folder(src: Path, out: Path, group: int = GROUP) -> None:
     """The W4A16 folder `src` decompressed by compressed-tensors into a dense float32 folder: the
     weights the quantized target really computes with, loaded without any quantizer."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from safetensors.torch import load_file, save_file
 
-    scheme = w4a16_scheme()
+    scheme = w4a16_scheme(group)
     shutil.copytree(src, out, dirs_exist_ok=True)
     for f in sorted(Path(out).glob("*.safetensors")):
         sd = load_file(str(f))
@@ -118,12 +137,14 @@ def quantize_w8a8(src: Path, out: Path, preset: str) -> None:
         scale, zero = calculate_qparams(w.amin(-1, keepdim=True), w.amax(-1, keepdim=True), scheme.weights)
         return compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero}, scheme)
 
-    write_quantized(src, out, compress, scheme, fmt)
+    write_quantized(src, out, compress, scheme, fmt, SCOPES["all"])
 
 
-def quantized_target(dense: Path, kind: str = "w4a16") -> Path:
+def quantized_target(dense: Path, kind: str = "w4a16", scope: str = "all", group: int = GROUP) -> Path:
     """`dense` quantized W4A16 (kind "w4a16"), that checkpoint decompressed back to dense float32
-    ("dequantized"), or W8A8 ("FP8_DYNAMIC", "W8A8"); built once into the nestling cache."""
+    ("dequantized"), or W8A8 ("FP8_DYNAMIC", "W8A8"); W4A16 quantizes what `scope` says (`SCOPES`:
+    "all" Linear layers, or the routed "experts" only, as Kimi-K2.5 ships) in groups of `group` inputs.
+    Built once into the nestling cache."""
     from nestling.assets import build_once, cache_dir
     from nestling.manifest import hash_files
 
@@ -133,10 +154,9 @@ def quantized_target(dense: Path, kind: str = "w4a16") -> Path:
         return build_once(
             cache_dir() / "tiny" / f"{name}-{kind.lower()}-{key}", lambda tmp: quantize_w8a8(dense, tmp, kind)
         )
-    w4 = build_once(cache_dir() / "tiny" / f"{name}-w4a16-g{GROUP}-{key}", lambda tmp: quantize_w4a16(dense, tmp))
+    tag = f"w4a16-g{group}" + ("" if scope == "all" else f"-{scope}")
+    w4 = build_once(cache_dir() / "tiny" / f"{name}-{tag}-{key}", lambda tmp: quantize_w4a16(dense, tmp, scope, group))
     if kind == "w4a16":
         return w4
     assert kind == "dequantized", kind
-    return build_once(
-        cache_dir() / "tiny" / f"{name}-w4a16-g{GROUP}-dense-{key}", lambda tmp: dequantize_folder(w4, tmp)
-    )
+    return build_once(cache_dir() / "tiny" / f"{name}-{tag}-dense-{key}", lambda tmp: dequantize_folder(w4, tmp, group))

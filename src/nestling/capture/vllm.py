@@ -283,6 +283,28 @@ class VLLMBackend(Backend):
         self.engines = []
 
 
+def cpu_thread_binding(tp: int, cpus: list[int], numa_nodes: int) -> str | None:
+    """VLLM_CPU_OMP_THREADS_BIND for `tp` CPU workers, or None where vLLM's own binding works.
+
+    vLLM's CPU build binds each tensor-parallel worker's OpenMP threads to CPUs; its automatic binding
+    gives every worker a NUMA node of its own and fails with fewer nodes than workers
+    (`utils/ompmultiprocessing.py:217-222`, "Not enough allowed NUMA nodes"). Then the CPUs this process may
+    use are split into `tp` runs of consecutive CPUs, one per worker ("0,1|2,3")."""
+    if tp <= 1 or numa_nodes >= tp:
+        return None
+    if len(cpus) < tp:
+        raise NestlingError(
+            f"tensor_parallel_size {tp} on vLLM's CPU build needs at least {tp} CPUs (one per worker); this "
+            f"process may use {len(cpus)}. Lower tensor_parallel_size, or set VLLM_CPU_OMP_THREADS_BIND yourself"
+        )
+    cpus, n = sorted(cpus), len(cpus) // tp
+    return "|".join(",".join(map(str, cpus[r * n : (r + 1) * n])) for r in range(tp))
+
+
+def _numa_nodes() -> int:
+    return max(1, len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))))
+
+
 class _Engine:
     """One `vllm.LLM` in this process, configured for capture."""
 
@@ -290,6 +312,11 @@ class _Engine:
         on_cpu = _on_cpu(settings.device)
         if on_cpu:  # the CPU build sizes its KV cache from this variable (GiB), not from a memory fraction
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(settings.vllm_kv_cache_gib)))  # whole GiB
+            bind = cpu_thread_binding(
+                int(settings.tensor_parallel_size), sorted(os.sched_getaffinity(0)), _numa_nodes()
+            )
+            if bind is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
         from vllm import LLM
 
         self.llm = LLM(

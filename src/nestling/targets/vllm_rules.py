@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from nestling.errors import NestlingError
 
 # Versions the vllm capture backend was tested against ([low, high)); docs/capture-vllm.md says the same.
@@ -37,8 +39,9 @@ def is_mla(config: dict) -> bool:
 
 
 def check_cpu_target(config: dict) -> None:
-    """The limits of vLLM's CPU build for MLA targets (a GPU build has neither).
+    """The limits of vLLM's CPU build for MLA and quantized MoE targets (a GPU build has none of them).
 
+    - Its fused-MoE kernel for int-quantized experts cannot run Kimi-K2.5's (`cpu_moe_quant_problems`).
     - Its MLA kernels (CPU_MLA, AMX_MLA) are built for latents of kv_lora_rank + qk_rope_head_dim in
       CPU_MLA_LATENTS only ("Head dimension N is not supported by MLA" at load).
     - Its rotary kernel (`_C.rotary_embedding`, csrc/cpu/pos_encoding.cpp) reads a [tokens, heads, dim]
@@ -47,9 +50,17 @@ def check_cpu_target(config: dict) -> None:
       on (docs/capture-vllm.md). Scaled rope (yarn, as every released DeepSeek-V3 / Kimi checkpoint
       sets it) runs vLLM's PyTorch rope and is exact.
     """
+    text, kind = _text(config)
+    moe = cpu_moe_quant_problems(config, bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()))
+    if moe:
+        raise NestlingError(
+            f"vLLM {TESTED_VLLM[0]}'s CPU build cannot run this {kind} target's int-quantized routed experts: its "
+            f'one fused-MoE kernel for them needs {"; and ".join(moe)} (it fails loading with "No WNA16 MoE backend '
+            f'supports the deployment configuration", docs/capture-vllm.md). Capture it on a GPU with vLLM (its '
+            f"Marlin kernel takes groups of 32 and any routing), or {HF_HINT} (it loads them dequantized)."
+        )
     if not is_mla(config):
         return
-    text, kind = _text(config)
     latent = int(text.get("kv_lora_rank") or 0) + int(text.get("qk_rope_head_dim") or 0)
     if latent not in CPU_MLA_LATENTS:
         raise NestlingError(
@@ -65,6 +76,49 @@ def check_cpu_target(config: dict) -> None:
             f"on, docs/capture-vllm.md). This {kind} target sets no rope scaling; released DeepSeek-V3 and Kimi "
             f"checkpoints use yarn, which vLLM computes exactly. Capture it on a GPU with vLLM, or {HF_HINT}."
         )
+
+
+def cpu_moe_quant_problems(config: dict, amx: bool) -> list[str]:
+    """What keeps vLLM's CPU build from running this checkpoint's int-quantized routed experts (W4A16,
+    compressed-tensors `pack-quantized`, as Kimi-K2.5 ships them); empty where it runs them or where the
+    experts are not int-quantized.
+
+    The CPU build's one fused-MoE kernel for them (`CPUExpertsInt4`, fused_moe/experts/cpu_moe.py:812)
+    takes int4, symmetric, in groups other than 32 (`kInt4Static`, :866-869; groups of 32 make
+    `kInt4Static32`, compressed_tensors_moe_wna16.py:82), softmax routing only (:877-881; sigmoid scores
+    with the correction bias are `RoutingMethodType.DeepSeekV3`, fused_moe/config.py:150-155), and a CPU
+    with AMX tiles (:840-845). Anything else ends in "No WNA16 MoE backend supports the deployment
+    configuration" (fused_moe/oracle/int_wna16.py:361) while the weights load."""
+    from nestling.plan.model import GROUP_MODULES, quantization
+
+    text, _ = _text(config)
+    q = config.get("quantization_config") or text.get("quantization_config") or {}
+    if not (text.get("n_routed_experts") or text.get("num_experts")) or q.get("quant_method") != "compressed-tensors":
+        return []
+    group: dict = next(iter((q.get("config_groups") or {}).values()), {})
+    w = group.get("weights") or {}
+    first_moe = int(text.get("first_k_dense_replace") or 0)
+    expert = str(GROUP_MODULES["routed_experts"]).format(i=first_moe)
+    if w.get("type", "int") != "int" or group.get("input_activations"):
+        return []  # float (FP8, NVFP4) or activation-quantized (W8A8, W4A8) experts: other kernels
+    if quantization({"quantization_config": q}).bits_of(expert) >= 16:
+        return []  # the routed experts are in `ignore`
+    problems = []
+    bits, gs, sym = int(w.get("num_bits") or 0), w.get("group_size"), w.get("symmetric", True)
+    if bits != 4 or not sym or w.get("strategy") != "group" or gs == 32:
+        problems.append(
+            f"int4 symmetric weights in groups other than 32 (these are {bits}-bit, "
+            f"{'symmetric' if sym else 'asymmetric'}, {w.get('strategy')} {gs})"
+        )
+    scoring, bias = text.get("scoring_func", "softmax"), text.get("topk_method") == "noaux_tc"
+    if scoring != "softmax" or bias:
+        problems.append(
+            f"softmax routing (this target routes by {scoring} scores"
+            + (" with the e_score_correction_bias, DeepSeek-V3's routing)" if bias else ")")
+        )
+    if not amx:
+        problems.append("a CPU with AMX tiles (this one has none)")
+    return problems
 
 
 def attention_backend(config: dict, dtype: str, on_cpu: bool) -> str | None:
