@@ -168,13 +168,17 @@ def cached_capture(target: Path) -> Path:
 
 
 def run_cli(args: list[str], env_extra: dict | None = None, torchrun: int = 0, popen: bool = False):
-    """`python -m nestling ARGS` (or under torchrun) with this worktree's code, one thread per process."""
+    """`python -m nestling ARGS` (or under torchrun) with this worktree's code, one thread per process
+    and no dynamic thread adjustment (MKL and OpenMP may otherwise use fewer threads on a loaded
+    machine): the thread count decides how CPU GEMMs reduce, so processes that must agree bitwise
+    pin it."""
     import os
     import subprocess
     import sys
 
     src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env_extra or {})}
+    pinned = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"}
+    env = {**os.environ, "PYTHONPATH": src, **pinned, **(env_extra or {})}
     if torchrun:
         torchrun_bin = str(Path(sys.executable).with_name("torchrun"))
         cmd = [torchrun_bin, "--standalone", f"--nproc-per-node={torchrun}", "-m", "nestling", *args]

@@ -181,17 +181,26 @@ def test_eval_refuses_draft_of_another_target(tiny_target, draft_dir, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
     with pytest.raises(NestlingError, match="another target|its own target"):
-        evaluate(draft_dir, tiny_target("llama", seed=1), prompts, tmp_path / "e", EvalSettings(max_new_tokens=4))
+        evaluate(
+            draft_dir,
+            tiny_target("llama", seed=1),
+            prompts,
+            tmp_path / "e",
+            EvalSettings(max_new_tokens=4, engine="reference"),
+        )
 
 
-def test_eval_reference_report(tiny, draft_dir, tmp_path):
+def test_eval_reference_report(tiny, draft_dir, tmp_path, capsys):
     from nestling.evaluate.run import evaluate
     from nestling.evaluate.settings import EvalSettings
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"messages": [{"role": "user", "content": "Say hello."}]}\n{"prompt": "Count to five."}\n')
-    rep = evaluate(draft_dir, tiny, prompts, tmp_path / "e", EvalSettings(max_new_tokens=12, k=2))
+    rep = evaluate(draft_dir, tiny, prompts, tmp_path / "e", EvalSettings(max_new_tokens=12, k=2, engine="reference"))
+    err = capsys.readouterr().err  # device and dtype auto: each choice in one log line
+    assert "[eval] device auto: cpu (torch sees no GPU)" in err and "[eval] dtype auto: float32" in err
     r = rep["engines"]["reference"]
+    assert (r["device"], r["dtype"]) == ("cpu", "float32")
     assert r["identical_share"] == 1.0  # greedy fp32: same as the target alone
     assert r["acceptance_length"] == pytest.approx(1 + r["num_accepted_tokens"] / r["num_drafts"])
     assert len(r["per_position"]) == 2
@@ -208,7 +217,7 @@ def test_eval_reference_report(tiny, draft_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": 1}\n')
     with pytest.raises(NestlingError, match="bad.jsonl:1"):
-        evaluate(draft_dir, tiny, bad, tmp_path / "e2", EvalSettings(max_new_tokens=4))
+        evaluate(draft_dir, tiny, bad, tmp_path / "e2", EvalSettings(max_new_tokens=4, engine="reference"))
 
 
 def test_draftable_share_counts_the_draft_vocabulary(tiny, tmp_path):

@@ -25,7 +25,7 @@ def test_gpu_example_is_the_measured_recipe():
     assert t.lr is None and default_lr(576, t.steps) == pytest.approx(2e-3)  # derived: the measured run's lr
     assert (r.max_turns, r.max_new_tokens, r.temperature) == (16, 384, 0.0)
     assert (r.sampled, r.sampled_temperature) == (1, 0.7)  # greedy plus one sampled answer, as measured
-    assert cfg.settings["data"].max_length == 2048 and cfg.settings["eval"].engine == "vllm"
+    assert cfg.settings["data"].max_length == 2048 and cfg.settings["eval"].engine == "auto"
     online, _ = train_mode(cfg, "unused")
     names = [s.name for s in enabled_stages(online, STAGES)]
     assert names == ["regenerate", "data", "train", "export", "eval"]  # online: no capture store

@@ -220,3 +220,42 @@ def test_reference_decoder_acceptance(offline, data, target, tmp_path):
 
 def test_reference_decoder_acceptance_two_layers(two_layers, data, target, tmp_path):
     check_golden("specdec_two_layers", _decode(two_layers, data, target, tmp_path))
+
+
+def test_reference_decoder_batched_equals_one_prompt(two_layers, data, target, tmp_path):
+    """Prompts of different lengths decoded together (left-padded, rows accepting different counts,
+    finished rows leaving the batch, one stopping at an EOS) give each prompt's own tokens and counts
+    exactly as decoding it alone does, greedy and sampled (each prompt draws from its own generator)."""
+    from nestling.data.dataset import load_samples
+    from nestling.evaluate.specdec import SpecDecoder, load_draft, target_generate_batch
+    from nestling.export.run import export
+    from nestling.export.settings import ExportSettings
+    from nestling.targets.load import load_model
+
+    model = load_model(target, dtype="float32")
+    with threads(1):
+        draft = load_draft(export(two_layers, tmp_path / "draft", ExportSettings(dtype="float32")), model)
+    prompts = [list(x.input_ids[: PROMPT + 3 * i]) for i, x in enumerate(load_samples(data, "heldout"))]
+    assert len({len(p) for p in prompts}) >= 3
+    alone, _ = target_generate_batch(model, prompts[:1], 20)
+    eos = [alone[0][6]]  # the first prompt stops there; the others may too, or run to the budget
+    for temp in (0.0, 0.3):
+        dec = SpecDecoder(model, draft, k=3, temperature=temp, eos_token_ids=eos)
+        with threads(1):
+            outs, stats, _ = dec.generate_batch(prompts, 20, seeds=list(range(len(prompts))))
+            single = [dec.generate(p, 20, seed=i) for i, p in enumerate(prompts)]
+        assert any(len(o) == 20 for o in outs)
+        for (o, st), ob, sb in zip(single, outs, stats):
+            assert ob == o
+            assert (sb.num_drafts, sb.num_draft_tokens, sb.num_accepted_tokens, sb.accepted_per_pos) == (
+                st.num_drafts,
+                st.num_draft_tokens,
+                st.num_accepted_tokens,
+                st.accepted_per_pos,
+            )
+            assert (sb.new_tokens, sb.target_forwards) == (st.new_tokens, st.target_forwards)
+        if temp == 0.0:
+            assert len(outs[0]) <= 7 and outs[0][-1] == eos[0]  # rows end at different rounds
+            assert sum(s.num_accepted_tokens for s in stats) > 0  # the counts say something
+            base, _ = target_generate_batch(model, prompts, 20, eos_token_ids=eos)
+            assert base == outs  # greedy fp32: the target's own output, batched as well

@@ -109,7 +109,19 @@ def test_eval_refuses_a_non_finite_draft(tiny, draft_dir, tmp_path, capsys):
     save_file(w, str(bad / "model.safetensors"), metadata={"format": "pt"})
     prompts = write_prompts_jsonl(tmp_path / "p.jsonl", ["Say hello."])
     rc, err = cli(
-        capsys, "eval", bad, "--target", tiny, "--prompts", prompts, "--out", tmp_path / "e", "--max-new-tokens", 4
+        capsys,
+        "eval",
+        bad,
+        "--target",
+        tiny,
+        "--prompts",
+        prompts,
+        "--out",
+        tmp_path / "e",
+        "--max-new-tokens",
+        4,
+        "--engine",
+        "reference",
     )
     assert rc == 1 and "lm_head.weight holds" in err and "non-finite" in err
     assert not (tmp_path / "e" / "report.json").exists() and not (tmp_path / "e" / "manifest.json").exists()
@@ -129,6 +141,8 @@ def test_eval_with_nothing_drafted_is_an_error_not_acceptance_one(tiny, draft_di
         tmp_path / "e",
         "--max-new-tokens",
         1,
+        "--engine",
+        "reference",
     )  # the prefill's token only: no draft step
     assert rc == 1 and "nothing was drafted over 1 prompt" in err and "1.000" not in err
     assert not (tmp_path / "e" / "manifest.json").exists()

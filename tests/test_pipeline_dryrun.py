@@ -78,9 +78,9 @@ def test_too_little_disk_fails_before_training(cfg, tmp_path, capsys, monkeypatc
 def test_doctor_runs_every_stage_for_real(tmp_path, capsys, monkeypatch):
     # vLLM loading the exported draft is the same eval code path the demo test runs with vLLM;
     # here the reference decoder alone keeps the suite short.
-    from nestling.pipeline import stages
+    from nestling import engines
 
-    monkeypatch.setattr(stages, "_vllm_installed", lambda: False)
+    monkeypatch.setattr(engines, "vllm_installed", lambda: False)
     rc, out = nestling(capsys, "doctor", "--scratch", tmp_path)
     assert rc == 0, out
     assert "torch" in out and "transformers" in out and "vllm" in out and "all checks passed" in out
@@ -138,9 +138,9 @@ def test_a_vllm_engine_without_vllm_fails_before_any_stage(cfg, tmp_path, capsys
     """examples/gpu.yaml evaluates in vLLM, its last stage: on a machine without vLLM the run must say
     so before regenerating and training for half an hour, and so must its dry run (whose own eval
     falls back to the reference decoder)."""
-    from nestling.pipeline import stages
+    from nestling import engines
 
-    monkeypatch.setattr(stages, "_vllm_installed", lambda: False)  # a machine where vllm is not importable
+    monkeypatch.setattr(engines, "vllm_installed", lambda: False)  # a machine where vllm is not importable
     for args in (["--dry-run"], []):
         rc, out = nestling(capsys, "run", cfg, *args, "eval.engine=vllm")
         assert rc == 1 and "eval.engine=vllm needs vLLM, which is not installed here" in out, out

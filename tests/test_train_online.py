@@ -222,7 +222,7 @@ def test_data_folder_without_online_says_what_to_do(data, capture_dir, tmp_path,
 
 
 def test_pipeline_auto_picks_a_mode_and_says_why(tiny_target, sharegpt_path, tmp_path, capsys, monkeypatch):
-    from nestling.pipeline import stages
+    from nestling import engines
     from nestling.train.features import choose_online
     from nestling.train.settings import TrainSettings
 
@@ -242,7 +242,7 @@ def test_pipeline_auto_picks_a_mode_and_says_why(tiny_target, sharegpt_path, tmp
     small = draft_bytes_estimate(target, TrainSettings(batch_tokens=1024, ttt_steps=3))
     assert 0 < small < draft_bytes_estimate(target, TrainSettings(batch_tokens=4096, ttt_steps=7))
 
-    monkeypatch.setattr(stages, "_vllm_installed", lambda: False)  # the reference decoder keeps it short
+    monkeypatch.setattr(engines, "vllm_installed", lambda: False)  # the reference decoder keeps it short
     cfg = tmp_path / "run.yaml"
     cfg.write_text(
         f"target: {target}\ninputs: [{sharegpt_path}]\nrun_dir: {tmp_path / 'run'}\n"

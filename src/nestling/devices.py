@@ -6,15 +6,26 @@ from nestling.errors import NestlingError
 
 
 def resolve_device(device: str) -> str:
-    """`auto` -> `cuda` when torch sees a GPU, else `cpu`; any other name is kept. Asking for CUDA on
-    a machine without a GPU fails here with what to do, not later inside torch."""
+    """`choose_device` for this machine."""
     import torch
 
+    return choose_device(device, torch.cuda.is_available())
+
+
+def choose_device(device: str, cuda: bool) -> str:
+    """`auto` -> `cuda` where there is a GPU (`cuda`), else `cpu`; any other name is kept. Asking for
+    CUDA on a machine without a GPU fails here with what to do, not later inside torch."""
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
+        return "cuda" if cuda else "cpu"
+    if device.startswith("cuda") and not cuda:
         raise NestlingError(f"device {device!r} was asked for but torch sees no CUDA GPU; use device cpu (or auto)")
     return device
+
+
+def auto_dtype(device: str) -> str:
+    """What `dtype: auto` runs a target in: bfloat16 on a GPU, float32 on a CPU (CPUs without bf16
+    matrix units run bf16 tens of times slower, and fp32 keeps greedy outputs exact)."""
+    return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 def flash_unavailable(dtype, device) -> str | None:

@@ -330,7 +330,7 @@ class Eagle3Draft(nn.Module):
     # ---- step-by-step decoding with a KV cache (the engine's way) --------------------------------
 
     def step(
-        self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: "KVCache"
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: "KVCache | SlotCache"
     ) -> torch.Tensor:
         """One draft forward over new tokens, attending to the cache plus causally to themselves.
 
@@ -339,9 +339,7 @@ class Eagle3Draft(nn.Module):
         """
         for i in range(self.num_layers):
             q, k, v = self.qkv(i, input_ids, hidden, position_ids)
-            k_all, v_all = cache.append(i, k, v)
-            T, S = q.shape[2], k_all.shape[2]
-            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+            k_all, v_all, mask = cache.update(i, k, v, position_ids)
             hidden = self.finish(i, self.attend(q, k_all, v_all, mask), hidden)
         return hidden
 
@@ -381,3 +379,42 @@ class KVCache:
     def truncate(self, length: int) -> None:
         for i in self.k:
             self.k[i], self.v[i] = self.k[i][:, :, :length], self.v[i][:, :, :length]
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Append; the new tokens attend to the whole cache and causally to themselves -> k, v, mask."""
+        k_all, v_all = self.append(layer, k, v)
+        T, S = k.shape[2], k_all.shape[2]
+        return k_all, v_all, torch.ones(T, S, dtype=torch.bool, device=k.device).tril(S - T)
+
+
+class SlotCache:
+    """Keys and values in fixed slots, one per position and row (a batch of prompts of their own
+    lengths): a token at position p writes slot p of its row and attends to slots <= p. Nothing is
+    ever dropped: an entry of a rejected draft lies above the row's verified prefix, so no later
+    query reads it before a token at that position overwrites it (vLLM's way with its KV slots)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, H, T, D = k.shape
+        if layer not in self.k:
+            self.k[layer] = k.new_zeros(B, H, self.capacity, D)
+            self.v[layer] = v.new_zeros(B, H, self.capacity, D)
+        idx = position_ids[:, None, :, None].expand(B, H, T, D)
+        self.k[layer].scatter_(2, idx, k)
+        self.v[layer].scatter_(2, idx, v)
+        slots = torch.arange(self.capacity, device=k.device)
+        mask = slots[None, None, None, :] <= position_ids[:, None, :, None]  # [B, 1, T, S]
+        return self.k[layer], self.v[layer], mask
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (finished prompts leave the batch)."""
+        for i in self.k:
+            self.k[i], self.v[i] = self.k[i][rows], self.v[i][rows]

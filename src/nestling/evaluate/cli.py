@@ -1,4 +1,4 @@
-"""`nestling eval DRAFT_DIR --target MODEL --prompts FILE [--k 3] [--engine reference|vllm] --out DIR`."""
+"""`nestling eval DRAFT_DIR --target MODEL --prompts FILE [--k 3] [--engine auto|reference|vllm|both] --out DIR`."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="measure a draft's acceptance length (reference decoder or real vLLM)",
         description="Decode PROMPTS with the target and the exported draft and report acceptance length "
         "(1 + accepted/drafts), per-position acceptance and tokens/s with and without the draft. "
-        "engine=reference: a PyTorch speculative decoder (output equals the target's own); "
-        "engine=vllm: the real vLLM engine in a subprocess, read from its spec-decode metrics.",
+        "engine=reference: a batched PyTorch speculative decoder (output equals the target's own); "
+        "engine=vllm: the real vLLM engine in a subprocess, read from its spec-decode metrics; "
+        "engine=auto (default): vllm where it is installed, else reference (the log says which).",
     )
     p.add_argument("draft_dir", type=Path, help="folder written by `nestling export`")
     p.add_argument("--target", required=True, help="the target: HF folder or .gguf (must be the draft's own target)")
@@ -24,11 +25,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--out", type=Path, required=True, help="folder for report.json, report.md, acceptance.png")
     p.add_argument("--k", type=int, default=None, help="draft tokens per target forward (default 3)")
-    p.add_argument("--engine", choices=["reference", "vllm", "both"], default=None, help="default reference")
+    p.add_argument(
+        "--engine",
+        choices=["auto", "reference", "vllm", "both"],
+        default=None,
+        help="default auto: vllm where installed, else reference",
+    )
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate per prompt (default 128)")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default); >0 rejection sampling")
     p.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--device", default=None, help="reference decoder device, e.g. cpu or cuda")
+    p.add_argument(
+        "--device",
+        default=None,
+        help="reference decoder device: auto (default: cuda where torch sees a GPU, else cpu), cpu, cuda",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="prompts the reference decoder runs at once (default 0: all)"
+    )
     p.add_argument("--config", type=Path, default=None, help="YAML file with eval settings")
     p.add_argument("overrides", nargs="*", help="key=value settings (dtype, seed, max_model_len, baseline, ...)")
     p.set_defaults(func=_run)
@@ -39,7 +52,7 @@ def _run(args: argparse.Namespace) -> int:
     from nestling.evaluate.run import evaluate
     from nestling.evaluate.settings import EvalSettings
 
-    flags = ("k", "engine", "max_new_tokens", "temperature", "max_prompts", "device")
+    flags = ("k", "engine", "max_new_tokens", "temperature", "max_prompts", "device", "batch_size")
     s = settings_from_args(EvalSettings, args, flags)
     evaluate(args.draft_dir, args.target, args.prompts, args.out, s)
     print(args.out / "report.md")

@@ -7,7 +7,7 @@ from pathlib import Path
 from nestling.config import to_dict
 from nestling import outdir
 from nestling.errors import NestlingError
-from nestling.evaluate.settings import EvalSettings
+from nestling.evaluate.settings import EvalSettings, resolve
 from nestling.manifest import MANIFEST, write_manifest
 from nestling.progress import Progress, log
 
@@ -26,32 +26,48 @@ def _eos_ids(target: Path, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def batches(prompts: list[list[int]], size: int) -> list[list[int]]:
+    """Prompt indices in batches of `size` (0 = one batch), longest first: prompts of like length share
+    a batch, so little of it is padding."""
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    size = size or len(order) or 1
+    return [order[i : i + size] for i in range(0, len(order), size)]
+
+
 def run_reference(
     target: Path, draft_dir: Path, prompts: list[list[int]], s: EvalSettings, aux_layer_ids: list[int] | None = None
 ) -> dict:
-    """The PyTorch reference decoder over all prompts (and the target alone for the baseline)."""
+    """The PyTorch reference decoder over all prompts, in batches (and the target alone for the baseline)."""
     import torch
 
-    from nestling.evaluate.specdec import SpecDecoder, SpecStats, load_draft, target_generate
+    from nestling.evaluate.specdec import SpecDecoder, SpecStats, load_draft, target_generate_batch
     from nestling.targets.load import load_model, load_tokenizer
 
+    s, _ = resolve(s)
     model = load_model(target, dtype=s.dtype, device=s.device)
     dtype = getattr(torch, s.dtype)
     draft = load_draft(draft_dir, model, dtype)
     eos = _eos_ids(target, load_tokenizer(target))
     dec = SpecDecoder(model, draft, s.k, s.temperature, eos, aux_layer_ids)
     total = SpecStats(s.k)
-    outs, base_outs, base_s = [], [], 0.0
+    outs: list[list[int]] = [[] for _ in prompts]
+    base_outs: list[list[int]] = [[] for _ in prompts]
+    base_s = 0.0
     prog = Progress("eval reference", total=len(prompts), unit="prompts")
-    for i, p in enumerate(prompts):
-        o, st = dec.generate(p, s.max_new_tokens, seed=s.seed + i)
-        outs.append(o)
-        total.add(st)
+    for idx in batches(prompts, s.batch_size):
+        group = [prompts[i] for i in idx]
+        seeds = [s.seed + i for i in idx]
+        o, stats, seconds = dec.generate_batch(group, s.max_new_tokens, seeds)
+        for i, oi, st in zip(idx, o, stats):
+            outs[i] = oi
+            total.add(st)
+        total.seconds += seconds
         if s.baseline:
-            b, dt = target_generate(model, p, s.max_new_tokens, s.temperature, eos, seed=s.seed + i)
-            base_outs.append(b)
+            b, dt = target_generate_batch(model, group, s.max_new_tokens, s.temperature, eos, seeds)
+            for i, bi in zip(idx, b):
+                base_outs[i] = bi
             base_s += dt
-        prog.update(1, tokens=len(o), acc_len=total.acceptance_length)
+        prog.update(len(idx), tokens=sum(map(len, o)), acc_len=total.acceptance_length)
     r = {
         "acceptance_length": total.acceptance_length,
         "per_position": total.per_position,
@@ -64,6 +80,8 @@ def run_reference(
         "tokens_per_s": total.new_tokens / max(total.seconds, 1e-9),
         "mean_tokens_per_target_forward": total.new_tokens / max(total.target_forwards, 1),
         "outputs": outs,
+        "device": s.device,
+        "dtype": s.dtype,
     }
     if s.baseline:
         r.update(_baseline(r, base_outs, base_s))
@@ -82,6 +100,7 @@ def run_vllm_engine(target: Path, draft_dir: Path, prompts: list[list[int]], s: 
     from nestling.evaluate.vllm_engine import run_vllm
 
     # vLLM refuses a prompt longer than its context: grow the setting to fit the longest prompt.
+    s, _ = resolve(s)
     need = max((len(p) for p in prompts), default=0) + s.max_new_tokens + s.k + 1
     res = run_vllm(
         target,
@@ -184,6 +203,9 @@ def _evaluate(draft_dir: Path, target_dir: Path, prompts: str | Path, out: Path,
     config = load_config(target_dir)
     context = getattr(config.get_text_config(), "max_position_embeddings", None)
     ids = fit_context(load_prompts(prompts, tok, s.max_prompts), context, s.max_new_tokens + s.k + 1)
+    s, notes = resolve(s)
+    for note in notes:
+        log(f"[eval] {note}")
     s = _engine_this_machine_serves(target_dir, s)
     log(f"[eval] {len(ids)} prompts, k={s.k}, engine={s.engine}, temperature={s.temperature}")
     engines: dict[str, dict] = {}

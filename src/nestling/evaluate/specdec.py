@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from nestling.draft.model import Eagle3Draft, KVCache
+from nestling.draft.model import Eagle3Draft, SlotCache
 from nestling.errors import NestlingError
 
 
@@ -50,48 +51,90 @@ class SpecStats:
         return [a / max(self.num_drafts, 1) for a in self.accepted_per_pos]
 
 
-class TargetRunner:
-    """The target through transformers with its KV cache, returning logits and the aux states."""
+class BatchTarget:
+    """The target through transformers over a batch of prompts, with its KV cache and a key mask.
+
+    Prompts are left-padded, so every row's last prompt token is the last column. Each later forward
+    appends the same number of columns to every row; `keep` then marks which of them stay part of the
+    row's sequence (a rejected draft's column stays in the cache as a masked hole: rows accept different
+    counts, and the cache is one tensor). Positions are each row's own, so a hole shifts nothing.
+    The aux states are the inputs of the aux layers (HF `hidden_states[i]`), caught by forward hooks."""
 
     def __init__(self, model, aux_layer_ids: list[int]):
-        from transformers import DynamicCache
+        from nestling.capture.hf import base_model
 
-        n_layers = model.config.get_text_config().num_hidden_layers
-        bad = [i for i in aux_layer_ids if not 0 <= i < n_layers]
+        layers = base_model(model).layers
+        bad = [i for i in aux_layer_ids if not 0 <= i < len(layers)]
         if bad:
             raise NestlingError(
-                f"aux layer ids {bad} do not fit a target with {n_layers} layers (valid: 0..{n_layers - 1})"
+                f"aux layer ids {bad} do not fit a target with {len(layers)} layers (valid: 0..{len(layers) - 1})"
             )
         self.model, self.ids = model, list(aux_layer_ids)
-        self.cache = DynamicCache(config=model.config)
-
-    def reset(self) -> None:
-        from transformers import DynamicCache
-
-        self.cache = DynamicCache(config=self.model.config)
-
-    def __len__(self) -> int:
-        return self.cache.get_seq_length()
+        self.layers: Any = layers
+        self.device = model.device
+        self.cache: Any = None
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
 
     @torch.no_grad()
-    def forward(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append `tokens`; -> logits [T, V] (fp32) and aux [T, n_aux*H] (HF hidden_states at the ids)."""
-        dev = self.model.device
-        start = len(self)
-        ids = torch.tensor([tokens], device=dev)
-        pos = torch.arange(start, start + len(tokens), device=dev)[None]
-        out = self.model(
-            input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True, output_hidden_states=True
-        )
-        self.cache = out.past_key_values
-        aux = torch.cat([out.hidden_states[i][0] for i in self.ids], dim=-1)
-        return out.logits[0].float(), aux
+    def _forward(
+        self, ids: torch.Tensor, pos: torch.Tensor, logits_to_keep: int = 0, aux: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from transformers import DynamicCache
 
-    def crop(self, length: int) -> None:
-        """Keep the first `length` positions (transformers 5: a negative crop removes that many)."""
-        extra = len(self) - length
-        if extra > 0:
-            self.cache.crop(-extra)
+        if self.cache is None:
+            self.cache = DynamicCache(config=self.model.config)
+        got: dict[int, torch.Tensor] = {}
+        hooks = [
+            self.layers[i].register_forward_pre_hook(
+                lambda _m, args, kwargs, i=i: got.__setitem__(i, args[0] if args else kwargs["hidden_states"]),
+                with_kwargs=True,
+            )
+            for i in (self.ids if aux else [])
+        ]
+        try:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=self.mask,
+                position_ids=pos,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            )
+        finally:
+            for h in hooks:
+                h.remove()
+        self.cache = out.past_key_values
+        states = torch.cat([got[i] for i in self.ids], dim=-1) if aux else None
+        return out.logits.float(), states
+
+    def prefill(self, prompts: list[list[int]], aux: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Left-padded prompts -> logits of each last prompt token [B, V] and aux [B, P, n_aux*H]."""
+        P = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), P, dtype=torch.long)
+        pos = torch.zeros(len(prompts), P, dtype=torch.long)
+        mask = torch.zeros(len(prompts), P, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, P - len(p) :] = torch.tensor(p)
+            pos[b, P - len(p) :] = torch.arange(len(p))
+            mask[b, P - len(p) :] = 1
+        self.cache, self.mask = None, mask.to(self.device)
+        logits, states = self._forward(ids.to(self.device), pos.to(self.device), 1, aux)
+        return logits[:, -1], states
+
+    def step(self, ids: torch.Tensor, pos: torch.Tensor, aux: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append T columns per row (ids, positions [B, T]) -> logits [B, T, V] (fp32), aux [B, T, n_aux*H]."""
+        self.mask = torch.cat([self.mask, torch.ones_like(ids)], dim=1)
+        return self._forward(ids, pos, 0, aux)
+
+    def keep(self, valid: torch.Tensor) -> None:
+        """Which of the last T columns stay in each row's sequence ([B, T] bool)."""
+        T = valid.shape[1]
+        self.mask[:, -T:] = valid.to(self.mask.dtype)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` of the batch."""
+        self.cache.batch_select_indices(rows)
+        self.mask = self.mask[rows]
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -112,8 +155,50 @@ def verify_sampled(p: torch.Tensor, q: torch.Tensor, drafts: list[int], gen: tor
     return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=gen))
 
 
+@dataclass
+class _Rows:
+    """Per-prompt state of a batched decode, all on the device (no host read per token)."""
+
+    out: torch.Tensor  # [B, max_new + K + 2] tokens generated (the last column takes discarded writes)
+    length: torch.Tensor  # [B] tokens in `out`
+    done: torch.Tensor  # [B] bool: ended (EOS or budget)
+    counts: torch.Tensor  # [B, 5 + K]: drafts, draft tokens, accepted, target forwards, rounds, per position
+
+    @classmethod
+    def start(cls, first: torch.Tensor, max_new: int, k: int, eos: torch.Tensor) -> "_Rows":
+        B = first.shape[0]
+        out = torch.zeros(B, max_new + k + 2, dtype=torch.long, device=first.device)
+        out[:, 0] = first
+        counts = torch.zeros(B, 5 + k, dtype=torch.long, device=first.device)
+        counts[:, 3] = 1  # the prefill
+        done = torch.isin(first, eos) | (max_new <= 1)
+        return cls(out, torch.ones(B, dtype=torch.long, device=first.device), done, counts)
+
+    def emit(self, cand: torch.Tensor, n_new: torch.Tensor, active: torch.Tensor, eos: torch.Tensor, max_new: int):
+        """Append each active row's first `n_new` of `cand` [B, T], stopping after an EOS or at the budget."""
+        T = cand.shape[1]
+        j = torch.arange(T, device=cand.device)[None]
+        is_eos = torch.isin(cand, eos) & (j < n_new[:, None])
+        first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), T)
+        take = torch.minimum(torch.minimum(n_new, first_eos + 1), max_new - self.length) * active
+        dump = self.out.shape[1] - 1
+        idx = torch.where(j < take[:, None], self.length[:, None] + j, dump)
+        self.out.scatter_(1, idx, cand)
+        self.length += take
+        self.done |= active & ((self.length >= max_new) | (first_eos < take))
+
+    def select(self, rows: torch.Tensor) -> None:
+        for f in ("out", "length", "done", "counts"):
+            setattr(self, f, getattr(self, f)[rows])
+
+
 class SpecDecoder:
-    """Chain drafting of K tokens per target forward; temperature 0 = greedy."""
+    """Chain drafting of K tokens per target forward over a batch of prompts; temperature 0 = greedy.
+
+    Greedy runs on the device from the first forward to the end of the batch: drafting, verification
+    and bookkeeping are tensor operations, and the host reads one flag per round (is every prompt
+    done?). Sampling draws each prompt's tokens from its own generator, in the order the one-prompt
+    decoder does, so a prompt's output does not depend on the batch it runs in."""
 
     def __init__(
         self,
@@ -124,96 +209,186 @@ class SpecDecoder:
         eos_token_ids: list[int] | None = None,
         aux_layer_ids: list[int] | None = None,
     ):
-        self.target = TargetRunner(target_model, aux_layer_ids or draft.config.aux_layer_ids)
+        self.target_model, self.aux_ids = target_model, aux_layer_ids or draft.config.aux_layer_ids
+        BatchTarget(target_model, self.aux_ids)  # fail early on layer ids the target lacks
         self.draft, self.k, self.temperature = draft, k, temperature
-        self.eos = set(eos_token_ids or [])
+        self.eos = list(eos_token_ids or [])
         self.draft_targets = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device))
         self.vocab = target_model.config.get_text_config().vocab_size
 
-    def _pick(self, logits: torch.Tensor, gen: torch.Generator | None) -> int:
-        if self.temperature <= 0:
-            return int(logits.argmax())
-        return int(torch.multinomial(_probs(logits, self.temperature), 1, generator=gen))
+    def _pick(self, logits: torch.Tensor, gens: list[torch.Generator] | None) -> torch.Tensor:
+        """[B, V] -> [B] tokens: argmax, or one draw per row from its own generator."""
+        if gens is None:
+            return logits.argmax(-1)
+        probs = _probs(logits, self.temperature)
+        return torch.stack([torch.multinomial(probs[b], 1, generator=g)[0] for b, g in enumerate(gens)])
 
-    def _draft_feed(self, tokens: list[int], aux: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
-        """Target features of `len(tokens)` positions from `start`: (token_{t+1}, combine(aux_t)) -> last h."""
-        d = self.draft
-        dev = d.d2t.device
-        dtype = d.fc.weight.dtype
-        ids = torch.tensor([tokens], device=dev)
-        pos = torch.arange(start, start + len(tokens), device=dev)[None]
-        h = d.step(ids, d.combine(aux.to(dev, dtype)[None]), pos, cache)
-        return h[:, -1:]
+    def _chain(self, h: torch.Tensor, n: torch.Tensor, cache: SlotCache, gens) -> tuple[torch.Tensor, list]:
+        """K draft tokens per row from h (the draft's state at position n - 1) -> target ids [B, K] and,
+        when sampling, each step's draft probabilities over the target vocabulary [B, V]."""
+        drafts, qs = [], []
+        hid, pos = h, n - 1
+        for j in range(self.k):
+            lg = self.draft.logits(hid)[:, -1].float()
+            di = self._pick(lg, gens)
+            if gens is not None:
+                q = torch.zeros(lg.shape[0], self.vocab, device=lg.device)
+                q[:, self.draft_targets.to(lg.device)] = _probs(lg, self.temperature)
+                qs.append(q)
+            t = self.draft_targets.to(di.device)[di]
+            drafts.append(t)
+            if j < self.k - 1:
+                pos = pos + 1
+                hid = self.draft.step(t[:, None], self.draft.next_hidden(hid), pos[:, None], cache)
+        return torch.stack(drafts, 1), qs
+
+    def _verify(self, logits: torch.Tensor, drafts: torch.Tensor, qs: list, gens, active: torch.Tensor):
+        """-> accepted count m [B] and the target's token after them y [B]."""
+        if gens is None:
+            pred = logits.argmax(-1)  # [B, K+1]
+            m = (pred[:, : self.k] == drafts).long().cumprod(1).sum(1)
+            return m, pred.gather(1, m[:, None])[:, 0]
+        p, q = _probs(logits, self.temperature), torch.stack(qs, 1)
+        ms, ys = [], []
+        for b, g in enumerate(gens):
+            mb, yb = verify_sampled(p[b], q[b], drafts[b].tolist(), g) if active[b] else (0, 0)
+            ms.append(mb)
+            ys.append(yb)
+        return torch.tensor(ms, device=logits.device), torch.tensor(ys, device=logits.device)
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, seed: int = 0) -> tuple[list[int], SpecStats]:
-        gen = None
-        if self.temperature > 0:
-            gen = torch.Generator(device=self.target.model.device)
-            gen.manual_seed(seed)
-        stats = SpecStats(self.k)
+        outs, stats, seconds = self.generate_batch([prompt], max_new_tokens, [seed])
+        stats[0].seconds = seconds
+        return outs[0], stats[0]
+
+    @torch.no_grad()
+    def generate_batch(
+        self, prompts: list[list[int]], max_new_tokens: int, seeds: list[int] | None = None
+    ) -> tuple[list[list[int]], list[SpecStats], float]:
+        """Decode every prompt at once -> outputs, each prompt's counters, wall seconds of the batch."""
         t0 = time.perf_counter()
-        self.target.reset()
-        logits, aux = self.target.forward(prompt)
-        stats.target_forwards += 1
-        x = self._pick(logits[-1], gen)
-        out = [x]
-        dcache = KVCache()
-        h = self._draft_feed(list(prompt[1:]) + [x], aux, 0, dcache)
-        while len(out) < max_new_tokens and x not in self.eos:
-            n = len(self.target)  # positions with target features (= position of x)
-            # all K even when fewer tokens remain: vLLM 0.32 does (its counters show K per draft to the
-            # last step), and counts what it accepts there; the surplus is cut from the output only
-            k = self.k
-            drafts, qs = [], []
-            hid, pos = h, n - 1
-            for j in range(k):
-                lg = self.draft.logits(hid)[0, -1].float()
-                if self.temperature <= 0:
-                    di = int(lg.argmax())
-                else:
-                    qd = _probs(lg, self.temperature)
-                    di = int(torch.multinomial(qd, 1, generator=gen))
-                    q = torch.zeros(self.vocab, device=qd.device)
-                    q[self.draft_targets] = qd
-                    qs.append(q)
-                t = int(self.draft_targets[di])
-                drafts.append(t)
-                if j < k - 1:
-                    pos += 1
-                    ids = torch.tensor([[t]], device=hid.device)
-                    hid = self.draft.step(
-                        ids, self.draft.next_hidden(hid), torch.tensor([[pos]], device=hid.device), dcache
-                    )
-            logits, aux = self.target.forward([x] + drafts)
-            stats.target_forwards += 1
-            if self.temperature <= 0:
-                m = 0
-                while m < k and int(logits[m].argmax()) == drafts[m]:
-                    m += 1
-                y = int(logits[m].argmax())
-            else:
-                m, y = verify_sampled(_probs(logits, self.temperature), torch.stack(qs), drafts, gen)
-            stats.num_drafts += 1
-            stats.num_draft_tokens += k
-            stats.num_accepted_tokens += m
-            for j in range(m):
-                stats.accepted_per_pos[j] += 1
-            new = drafts[:m] + [y]
-            self.target.crop(n + m + 1)  # keep x and the accepted drafts
-            dcache.truncate(n)
-            h = self._draft_feed(new, aux[: m + 1], n, dcache)
-            for t in new:
-                out.append(t)
-                if t in self.eos or len(out) >= max_new_tokens:
-                    break
-            x = out[-1]
-        stats.new_tokens = len(out)
-        stats.seconds = time.perf_counter() - t0
-        return out, stats
+        K, dev = self.k, self.target_model.device
+        gens = None
+        if self.temperature > 0:
+            gens = [torch.Generator(device=dev).manual_seed(s) for s in (seeds or [0] * len(prompts))]
+        eos = torch.tensor(self.eos, dtype=torch.long, device=dev)
+        target = BatchTarget(self.target_model, self.aux_ids)
+        last, states = target.prefill(prompts)
+        assert states is not None
+        aux: torch.Tensor = states
+        x = self._pick(last, gens)
+        rows = _Rows.start(x, max_new_tokens, K, eos)
+        ids = torch.arange(len(prompts), device=dev)  # which prompt each row is
+        results: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        P = aux.shape[1]
+        lengths = torch.tensor([len(p) for p in prompts], device=dev)
+        cache = SlotCache(P + max_new_tokens + 2 * K + 2)
+        # the draft reads (token t+1, aux t) at position t: the prompt shifted by one, then x
+        col = torch.arange(P, device=dev)[None]
+        pad = P - lengths[:, None]
+        pos = torch.where(col >= pad, col - pad, lengths[:, None] + col)  # pads write slots above the prompt
+        toks = torch.cat([torch.zeros(len(prompts), P - 1, dtype=torch.long, device=dev), x[:, None]], 1)
+        for b, p in enumerate(prompts):
+            toks[b, P - len(p) : P - 1] = torch.tensor(p[1:], dtype=torch.long)
+        h = self._feed(toks, aux, pos, cache)
+        n = lengths.clone()  # positions with target features = the position of x
+        cols = torch.arange(K + 1, device=dev)[None]
+        while True:
+            n_done = int(rows.done.sum())  # the one host read of a round
+            if n_done == len(ids):
+                break
+            if 2 * n_done >= len(ids):  # half the rows idle: the finished ones leave the batch
+                keep = (~rows.done).nonzero()[:, 0]
+                for r in rows.done.nonzero()[:, 0].tolist():
+                    results[int(ids[r])] = (rows.out[r], rows.length[r], rows.counts[r])
+                ids, x, n, h = ids[keep], x[keep], n[keep], h[keep]
+                gens = None if gens is None else [gens[r] for r in keep.tolist()]
+                rows.select(keep)
+                target.select(keep)
+                cache.select(keep)
+            active = ~rows.done
+            drafts, qs = self._chain(h, n, cache, gens)
+            logits, states = target.step(torch.cat([x[:, None], drafts], 1), n[:, None] + cols)
+            assert states is not None
+            aux = states
+            m, y = self._verify(logits, drafts, qs, gens, active)
+            m = m * active
+            target.keep((cols <= m[:, None]) & active[:, None])
+            cand = torch.where(cols < m[:, None], torch.cat([drafts, drafts[:, :1]], 1), y[:, None])
+            a = active.long()
+            rows.counts[:, :5] += torch.stack([a, K * a, m, a, a], 1)
+            rows.counts[:, 5:] += (cols[:, :K] < m[:, None]).long() * a[:, None]
+            rows.emit(cand, m + 1, active, eos, max_new_tokens)
+            x = torch.where(active, y, x)
+            # the accepted tokens again, with their target features, right-aligned so that the last
+            # column is each row's newest state; the columns left of a row's tokens write slots above
+            shift = (K - m)[:, None]
+            j = cols - shift
+            jj = j.clamp(min=0)
+            fpos = torch.where(j >= 0, n[:, None] + j, n[:, None] + m[:, None] + 1 + cols)
+            h = self._feed(cand.gather(1, jj), aux.gather(1, jj[..., None].expand(-1, -1, aux.shape[-1])), fpos, cache)
+            n = n + (m + 1) * a
+        for r in range(len(ids)):
+            results[int(ids[r])] = (rows.out[r], rows.length[r], rows.counts[r])
+        outs, stats = [], []
+        for b in range(len(prompts)):
+            out, length, counts = results[b]
+            c = counts.tolist()
+            outs.append(out[: int(length)].tolist())
+            st = SpecStats(K, c[0], c[1], c[2], c[5:], int(length), c[3])
+            stats.append(st)
+        return outs, stats, time.perf_counter() - t0
+
+    def _feed(self, tokens: torch.Tensor, aux: torch.Tensor, pos: torch.Tensor, cache: SlotCache) -> torch.Tensor:
+        """Target features into the draft: (token_{t+1}, combine(aux_t)) at position t -> the last column's h."""
+        d = self.draft
+        dev = d.d2t.device
+        h = d.step(tokens.to(dev), d.combine(aux.to(dev, d.fc.weight.dtype)), pos.to(dev), cache)
+        return h[:, -1:]
 
 
 @torch.no_grad()
+def target_generate_batch(
+    target_model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    eos_token_ids: list[int] | None = None,
+    seeds: list[int] | None = None,
+) -> tuple[list[list[int]], float]:
+    """The target decoding alone, one token per forward, every prompt at once (the baseline and the
+    ground truth) -> outputs and wall seconds. Sampling draws each prompt from its own generator."""
+    t0 = time.perf_counter()
+    dev = target_model.device
+    gens = None
+    if temperature > 0:
+        gens = [torch.Generator(device=dev).manual_seed(s) for s in (seeds or [0] * len(prompts))]
+    eos = torch.tensor(list(eos_token_ids or []), dtype=torch.long, device=dev)
+    target = BatchTarget(target_model, [])
+    last, _ = target.prefill(prompts, aux=False)
+
+    def pick(lg: torch.Tensor) -> torch.Tensor:
+        if gens is None:
+            return lg.argmax(-1)
+        probs = _probs(lg, temperature)
+        return torch.stack([torch.multinomial(probs[b], 1, generator=g)[0] for b, g in enumerate(gens)])
+
+    x = pick(last)
+    rows = _Rows.start(x, max_new_tokens, 0, eos)
+    n = torch.tensor([len(p) for p in prompts], device=dev)
+    one = torch.ones(len(prompts), dtype=torch.long, device=dev)
+    while not bool(rows.done.all()):
+        active = ~rows.done
+        logits, _ = target.step(x[:, None], n[:, None], aux=False)
+        target.keep(active[:, None])
+        x = torch.where(active, pick(logits[:, -1]), x)
+        rows.emit(x[:, None], one, active, eos, max_new_tokens)
+        n = n + active.long()
+    outs = [rows.out[b, : int(rows.length[b])].tolist() for b in range(len(prompts))]
+    return outs, time.perf_counter() - t0
+
+
 def target_generate(
     target_model,
     prompt: list[int],
@@ -222,24 +397,9 @@ def target_generate(
     eos_token_ids: list[int] | None = None,
     seed: int = 0,
 ) -> tuple[list[int], float]:
-    """The target decoding alone, one token per forward (the baseline and the ground truth)."""
-    runner = TargetRunner(target_model, [0])
-    gen = None
-    if temperature > 0:
-        gen = torch.Generator(device=target_model.device)
-        gen.manual_seed(seed)
-    eos = set(eos_token_ids or [])
-    t0 = time.perf_counter()
-    logits, _ = runner.forward(prompt)
-    out: list[int] = []
-    while True:
-        lg = logits[-1]
-        t = int(lg.argmax()) if temperature <= 0 else int(torch.multinomial(_probs(lg, temperature), 1, generator=gen))
-        out.append(t)
-        if t in eos or len(out) >= max_new_tokens:
-            break
-        logits, _ = runner.forward([t])
-    return out, time.perf_counter() - t0
+    """One prompt through `target_generate_batch`."""
+    outs, seconds = target_generate_batch(target_model, [prompt], max_new_tokens, temperature, eos_token_ids, [seed])
+    return outs[0], seconds
 
 
 def load_draft(draft_dir, target_model, dtype: torch.dtype = torch.float32) -> Eagle3Draft:

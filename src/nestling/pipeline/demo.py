@@ -72,10 +72,11 @@ def summary(run_dir: Path, target: str, k: int) -> str:
 def demo(out: Path = Path("nestling-demo"), overrides: Sequence[str] = (), dry_run: bool = False) -> str | None:
     from nestling.pipeline.dryrun import dry_run as _dry
     from nestling.pipeline.run import resolve_paths, run_config
-    from nestling.pipeline.stages import STAGES, _vllm_installed
+    from nestling.engines import vllm_installed
+    from nestling.pipeline.stages import STAGES
 
     # The acceptance length from vLLM too, when it is installed (the YAML stays valid without it).
-    if _vllm_installed() and not any(o.startswith("eval.engine=") for o in overrides):
+    if vllm_installed() and not any(o.startswith("eval.engine=") for o in overrides):
         overrides = ["eval.engine=both", *overrides]
     config = demo_config(out, overrides)
     if dry_run:

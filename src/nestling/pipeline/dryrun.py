@@ -241,15 +241,32 @@ def estimate(
             secs = _scaled_time(m, work, work / ratio) if m.tokens else m.wall_s * max(ratio, 1.0)
             if _get(s, "baseline") and not _get(dry_s, "baseline"):
                 secs *= 2  # the full eval also runs the target alone
-            engine = _get(s, "engine", default="")
-            if engine == "reference" and _get(dry_s, "engine") == "both":
-                secs /= 2  # the dry run also loaded vLLM
-            out.append(Estimate("eval", work, m.disk_bytes, secs, f"{full_n} prompts x {full_new} new tokens"))
+            full = eval_choice(s)
+            if full.engine in ("reference", "vllm") and _get(dry_s, "engine") == "both":
+                secs /= 2  # the dry run ran both engines
+            where = f"{full.engine}" + ("" if full.engine == "vllm" else f" on {full.device}, {full.dtype}")
+            out.append(
+                Estimate(
+                    "eval",
+                    work,
+                    m.disk_bytes,
+                    secs,
+                    f"{full_n} prompts x {full_new} new tokens, {where} (at the dry run's rate for one prompt; "
+                    "batched, the full run takes less)",
+                )
+            )
         elif stage.name == "regenerate":
             out.append(regenerate_estimate(config, m, s))
         else:
             out.append(Estimate(stage.name, m.tokens, m.disk_bytes, m.wall_s, "as measured"))
     return out
+
+
+def eval_choice(s: Any) -> Any:
+    """The full run's eval settings with `auto` resolved for this machine (engine, device, dtype)."""
+    from nestling.evaluate.settings import EvalSettings, resolve
+
+    return resolve(s)[0] if isinstance(s, EvalSettings) else s
 
 
 def regenerate_estimate(config: RunConfig, m: Measured, s: Any) -> Estimate:

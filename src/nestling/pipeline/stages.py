@@ -8,11 +8,11 @@ Settings classes are named as "module:Class" and imported only when used (no tor
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from nestling import engines
 from nestling.errors import NestlingError
 from nestling.stage import resolve
 
@@ -133,17 +133,14 @@ def _eval(ctx: StageContext) -> Any:
     return _call("nestling.evaluate.run:evaluate", ctx.dir("export"), ctx.target, prompts, ctx.out, ctx.settings)
 
 
-def _vllm_installed() -> bool:
-    return importlib.util.find_spec("vllm") is not None
-
-
 def check_engines(settings: dict[str, Any]) -> None:
     """Stages set to run vLLM need it installed: say so before the first stage, not when eval, the
     last one, starts after regeneration and training (examples/gpu.yaml evaluates in vLLM)."""
     instead = {  # stage: (engines that run vLLM, what to set instead)
         "eval": (
             ("vllm", "both"),
-            "eval.engine=reference (nestling's reference decoder, the engine's acceptance rule)",
+            "eval.engine=reference (nestling's reference decoder, the engine's acceptance rule; eval.engine=auto, "
+            "the default, picks it where vLLM is missing)",
         ),
         "regenerate": (("vllm",), "regenerate.engine=hf"),
     }
@@ -152,7 +149,7 @@ def check_engines(settings: dict[str, Any]) -> None:
         for name, (vllm, _) in instead.items()
         if settings.get(name) is not None and (engine := getattr(settings[name], "engine", None)) in vllm
     }
-    if want and not _vllm_installed():
+    if want and not engines.vllm_installed():
         asked = ", ".join(f"{name}.engine={engine}" for name, engine in want.items())
         raise NestlingError(
             f"{asked} needs vLLM, which is not installed here: install it (`pip install -e '.[vllm]'` on a GPU "
@@ -184,7 +181,7 @@ def _dry_train(s: Any) -> Any:
 def _dry_eval(s: Any) -> Any:
     # vLLM, when installed, must load the exported draft: that is the incompatibility users hit last.
     return dataclasses.replace(
-        s, max_prompts=1, max_new_tokens=8, engine="both" if _vllm_installed() else "reference", baseline=False
+        s, max_prompts=1, max_new_tokens=8, engine="both" if engines.vllm_installed() else "reference", baseline=False
     )
 
 

@@ -7,12 +7,12 @@ an engine never drops a request.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
 from typing import Protocol
 
+from nestling import engines
 from nestling.errors import NestlingError
 from nestling.regenerate.settings import RegenerateSettings
 
@@ -71,7 +71,7 @@ def resolve_engine(s: RegenerateSettings) -> str:
         return s.engine
     if s.urls:
         return "openai"
-    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    return "vllm" if engines.vllm_installed() else "hf"
 
 
 CPU_CHUNK, GPU_CHUNK = 64, 2048
