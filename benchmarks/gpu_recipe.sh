@@ -25,15 +25,17 @@ start)
   rm -rf $H/repo && mkdir -p $H/repo && cp -r src examples benchmarks $H/repo/
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   (cd $H/repo && PYTHONPATH=/tmp/site:$H/repo/src setsid nohup python3 -m nestling run examples/gpu.yaml \
-     run_dir=$RUN "$@" > $H/run.log 2>&1 & echo $! > $H/run.pid)
+     run_dir=$RUN "$@" > $H/run.log 2>&1 &)
   "$0" wait ;;
 wait)
   T0=$(date +%s)
-  while kill -0 "$(cat $H/run.pid)" 2>/dev/null && [ $(($(date +%s) - T0)) -lt ${WAIT_SECONDS:-540} ]; do sleep 5; done
-  grep -a "^\[run\]\|\[eval\]\|rror" $H/run.log | tail -30 || true
-  tr '\r' '\n' < $H/run.log | grep -a "tok/s" | tail -2 || true
-  cp $H/run.log $OUT/run.log
-  if kill -0 "$(cat $H/run.pid)" 2>/dev/null; then echo "[gpu] still running"; exit 0; fi
+  # the run's own command line (anchored: this script's command line holds the same words)
+  running() { pgrep -f "^python3 -m nestling run examples/gpu.yaml" >/dev/null; }
+  while running && [ $(($(date +%s) - T0)) -lt ${WAIT_SECONDS:-540} ]; do sleep 5; done
+  tr -d '\000' < $H/run.log > $OUT/run.log  # a rerun's truncation leaves zeros where the last writer was
+  grep -a "^\[run\]\|\[eval\]\|rror" $OUT/run.log | tail -30 || true
+  tr '\r' '\n' < $OUT/run.log | grep -a "tok/s" | tail -2 || true
+  if running; then echo "[gpu] still running"; exit 0; fi
   (cd $RUN && tar -cf $OUT/meta.tar $(ls */manifest.json eval/report.json eval/report.md 2>/dev/null)) || true
   [ -d $RUN/export ] && tar -C $RUN -cf - export | split -b 15M -d - $OUT/draft.tar.
   ls -la $OUT; echo "[gpu] done" ;;
