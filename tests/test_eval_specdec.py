@@ -211,13 +211,28 @@ def test_eval_reference_report(tiny, draft_dir, tmp_path, capsys):
     tokens = [t for o in r["outputs"] for t in o]
     inside = sum(bool(t2d[t]) for t in tokens) / len(tokens)
     assert r["draftable_share"] == inside and r["num_accepted_tokens"] <= inside * len(tokens)
-    assert f"| {100 * inside:.1f}% |" in (tmp_path / "e" / "report.md").read_text()
+    md = (tmp_path / "e" / "report.md").read_text()
+    assert f"| {100 * inside:.1f}% |" in md
+    assert "reference: greedy output identical to the target alone on 2 of 2 prompts (100%)." in md
     for f in ("report.json", "report.md", "acceptance.png", "manifest.json"):
         assert (tmp_path / "e" / f).exists()
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": 1}\n')
     with pytest.raises(NestlingError, match="bad.jsonl:1"):
         evaluate(draft_dir, tiny, bad, tmp_path / "e2", EvalSettings(max_new_tokens=4, engine="reference"))
+
+
+def test_report_says_what_a_low_identical_share_means():
+    """Below 100%, the report says it is the engine's rounding with the forward's shape, not the draft."""
+    from nestling.evaluate.report import identical_note, markdown
+
+    r = {"identical_share": 0.25, "baseline_outputs": [[1]] * 4, "acceptance_length": 2.0, "per_position": [0.5]}
+    r.update(tokens_per_s=1.0)
+    note = identical_note("vllm", r)
+    assert note.startswith("vllm: greedy output identical to the target alone on 1 of 4 prompts (25%).")
+    assert "cannot change a greedy output" in note and "K+1 tokens" in note and "nothing about the draft" in note
+    rep = {"draft": "d", "target": "t", "k": 1, "num_prompts": 4, "max_new_tokens": 8, "temperature": 0.0}
+    assert note in markdown({**rep, "engines": {"vllm": r}})
 
 
 def test_draftable_share_counts_the_draft_vocabulary(tiny, tmp_path):

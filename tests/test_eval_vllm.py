@@ -6,7 +6,9 @@ vLLM engine and is the ground truth the engine must reproduce.
 Draft: fitted for a few hundred Adam steps on step-0 next-token prediction from SmolLM2's own hidden
 states at nestling's ids (tests/eagle_helpers.py: switch to `nestling.train` once it is merged).
 dtype float32: on vLLM's CPU backend the verification forward and the plain decode forward then give
-the same greedy tokens (bf16 near-ties can flip), so "identical outputs" is an exact assertion.
+the same greedy tokens (bf16 near-ties flip often). Not on every CPU: kernels that sum in another order
+may still flip an fp32 near-tie, so "unchanged" means equal, or parted at a near-tie within fp32's
+rounding bound (tests/greedy_tie.py), whichever CPU runs it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import pytest
 
 from eagle_helpers import PROMPTS, fit_step0, make_train_dir, render
+from greedy_tie import tie_gap
 from nestling.evaluate.run import run_reference
 from nestling.evaluate.settings import EvalSettings
 from nestling.evaluate.vllm_engine import run_vllm
@@ -57,8 +60,9 @@ def test_vllm_loads_draft_and_greedy_outputs_are_unchanged(run):
             ids = model.generate(
                 torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW, temperature=None, top_p=None, top_k=None
             )[0, len(prompt) :].tolist()
-        assert got == ids
-    assert _reference(run, run["fit_dir"])["outputs"] == v["outputs"]  # and the reference decoder agrees
+        assert tie_gap(model, prompt, got, ids) is None
+    for prompt, ref, got in zip(run["prompts"], _reference(run, run["fit_dir"])["outputs"], v["outputs"]):
+        assert tie_gap(model, prompt, ref, got) is None  # and the reference decoder agrees
 
 
 def test_fitted_draft_accepts_and_engines_agree(run):

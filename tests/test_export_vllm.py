@@ -111,7 +111,20 @@ def test_full_vocab_draft_loads_and_greedy_outputs_are_unchanged(probe):
     assert d["metrics"]["num_drafts"] > 0  # the draft really ran
     assert all(len(o) == NEW for o in base)
     print(f"[full vocab] drafts {d['metrics']['num_drafts']}, combine calls {probe['res']['combine_calls'][:6]}")
-    assert d["outputs"] == base  # fp32 greedy: token-identical with and without the draft
+    assert_unchanged(probe, d["outputs"], base)  # fp32 greedy: with and without the draft
+
+
+def assert_unchanged(probe, outputs: list[list[int]], base: list[list[int]]) -> None:
+    """Equal, or parted at an fp32 near-tie that another CPU's kernels may flip (tests/greedy_tie.py)."""
+    from greedy_tie import tie_gap
+
+    from nestling.targets.load import load_model
+
+    if outputs == base:
+        return
+    model = load_model(probe["target"], dtype="float32")
+    for prompt, got, want in zip(probe["prompts"], outputs, base):
+        assert tie_gap(model, prompt, got, want) is None
 
 
 def _reference_stats(probe, draft):
@@ -145,7 +158,7 @@ def test_fitted_draft_loads_and_accepts_as_the_reference_decoder(probe, which):
     base = probe["res"]["baseline"]["outputs"]
     d = probe["res"]["drafts"][1 if which == "deep" else 2]
     v = summarize_metrics(d["metrics"], K)
-    assert d["outputs"] == base  # fp32 greedy: token-identical with and without the draft
+    assert_unchanged(probe, d["outputs"], base)  # fp32 greedy: with and without the draft
     ref = _reference_stats(probe, lambda model: load_draft(folder, model))
     print(
         f"[{which}] vLLM {v['acceptance_length']:.3f} {v['accepted_per_pos']}, "

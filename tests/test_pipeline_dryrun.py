@@ -132,6 +132,9 @@ def test_dry_run_estimates_a_regenerating_run_on_builtin_inputs(tmp_path, tiny_t
     assert rows["data"]["tokens"] > 0 and "full run" in out
     total = next(line for line in out.splitlines() if line.startswith("total"))
     assert "time without regenerate" in total  # its unscaled seconds are not summed
+    # eval's expected time, with the engine, device and dtype the full run will use on this machine
+    assert rows["eval"]["seconds"] > 0 and rows["eval"]["tokens"] % 128 == 0  # held-out prompts x max_new_tokens
+    assert "reference on cpu, float32" in rows["eval"]["note"]
 
 
 def test_a_vllm_engine_without_vllm_fails_before_any_stage(cfg, tmp_path, capsys, monkeypatch):

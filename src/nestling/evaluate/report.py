@@ -28,7 +28,26 @@ def markdown(report: dict) -> str:
         f"{report['num_prompts']} prompts, {report['max_new_tokens']} new tokens max, "
         f"temperature {report['temperature']}\n\n"
     )
-    return head + "\n".join(rows) + "\n"
+    notes = [identical_note(name, r) for name, r in report["engines"].items() if r.get("identical_share") is not None]
+    return head + "\n".join(rows) + "\n" + "".join(f"\n{n}\n" for n in notes if n)
+
+
+def identical_note(engine: str, r: dict) -> str:
+    """What the greedy-identical share says. The target decides every token, so a draft cannot change
+    a greedy output: a share below 100% is the target's own logits moving with the forward's shape
+    (verification runs K+1 tokens per forward, the target alone 1) and flipping near-ties."""
+    share = r["identical_share"]
+    n = len(r.get("baseline_outputs") or [])
+    same = round(share * n)
+    text = f"{engine}: greedy output identical to the target alone on {same} of {n} prompts ({100 * share:.0f}%)."
+    if share >= 1.0:
+        return text
+    return text + (
+        " A draft cannot change a greedy output (the target decides every token): the rest is the engine "
+        "rounding differently when one forward verifies K+1 tokens than when it decodes one, which flips "
+        "near-ties and lets the continuation part from there. bf16 does this; so do some CPUs' kernels. It says "
+        "nothing about the draft; dtype=float32 narrows it, and acceptance is counted on what was decoded."
+    )
 
 
 def plot(report: dict, path: Path) -> None:
