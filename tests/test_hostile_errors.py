@@ -14,24 +14,7 @@ from pathlib import Path
 import pytest
 from capture_fixture import RunsAShellCommand, one_thread, tiny_llama, tiny_llama_capture, TINY_TRAIN  # noqa: F401 (fixtures)
 
-from nestling.cli import main
-
-
-def cli(capsys, *args) -> tuple[int, str]:
-    """Run `nestling ARGS` in this process; (exit code, stderr)."""
-    capsys.readouterr()
-    rc = main([str(a) for a in args])
-    return rc, capsys.readouterr().err
-
-
-def fails_cleanly(capsys, *args) -> str:
-    """The command exits 1 with one short message and no traceback; returns the message."""
-    rc, err = cli(capsys, *args)
-    assert rc == 1, err
-    assert "Traceback" not in err
-    msg = err[err.index("error:") :]
-    assert len(msg.strip().splitlines()) <= 2, msg
-    return msg
+from hostile_helpers import cli, fails_cleanly
 
 
 def chat_line(content: str = "Hello.") -> str:

@@ -165,16 +165,16 @@ def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
     return out
 
 
+def first_problems(problems: list[str]) -> str:
+    """The first three problems of a list, for one error line ("; ..." where there are more)."""
+    return "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "")
+
+
 def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
     """Refuse draft weights that hold NaN or inf (eval, before any engine starts)."""
     problems = non_finite(tensors)
     if problems:
-        raise NestlingError(
-            f"{where} is unusable: "
-            + "; ".join(problems[:3])
-            + ("; ..." if len(problems) > 3 else "")
-            + "; train it again (see docs/safety.md)"
-        )
+        raise NestlingError(f"{where} is unusable: {first_problems(problems)}; train it again (see docs/safety.md)")
 
 
 def check_tensors(tensors: dict[str, torch.Tensor], c: DraftConfig, dtype: torch.dtype, where: str = "") -> None:

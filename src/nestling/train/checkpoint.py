@@ -137,7 +137,7 @@ def check_weights(path: Path, weights: dict[str, torch.Tensor], expected: dict[s
     """A checkpoint's weights against the draft they resume: the same names and shapes, every value
     finite. Refused otherwise, before any of it is loaded: a NaN checkpoint would train (and write) a
     NaN model, a reshaped one fail inside torch."""
-    from nestling.export.contract import non_finite
+    from nestling.export.contract import first_problems, non_finite
 
     problems = [f"missing {n}" for n in expected if n not in weights]
     problems += [f"unexpected {n}" for n in weights if n not in expected]
@@ -149,10 +149,8 @@ def check_weights(path: Path, weights: dict[str, torch.Tensor], expected: dict[s
     problems += non_finite(weights)
     if problems:
         raise NestlingError(
-            f"checkpoint {path} cannot be resumed: "
-            + "; ".join(problems[:3])
-            + ("; ..." if len(problems) > 3 else "")
-            + ". Resume from another checkpoint, or train into a new --out without resuming"
+            f"checkpoint {path} cannot be resumed: {first_problems(problems)}. "
+            "Resume from another checkpoint, or train into a new --out without resuming"
         )
 
 
