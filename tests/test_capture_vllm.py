@@ -495,7 +495,7 @@ def test_kimi_int4_experts_are_packed_and_the_rest_is_not(tiny_target):
 def test_cpu_moe_quant_problems_name_what_the_cpu_kernel_lacks(tiny_target):
     """Kimi-K2.5's experts miss two of the CPU kernel's conditions (groups of 32, DeepSeek-V3 routing); a
     CPU without AMX a third. Experts the kernel takes, ignored experts and float-quantized ones pass."""
-    from nestling.capture.vllm import cpu_moe_quant_problems
+    from nestling.targets.vllm_rules import cpu_moe_quant_problems
 
     cfg = json.loads((_kimi_int4(tiny_target) / "config.json").read_text())
     problems = cpu_moe_quant_problems(cfg, amx=True)
