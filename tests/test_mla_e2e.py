@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from capture_data import random_conversations
@@ -66,7 +65,9 @@ def test_mla_draft_trains_exports_and_is_measured(tiny_target, tmp_path):
     report = json.loads((run / "eval" / "report.json").read_text())
     assert set(report["engines"]) == {"reference"} and report["engines"]["reference"]["num_drafts"] > 0
 
-    if not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+    from nestling.targets.vllm_rules import has_amx
+
+    if not has_amx():
         return  # vLLM serves it in bf16 on AMX CPUs only
     _nestling(
         "eval",

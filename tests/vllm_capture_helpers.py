@@ -161,4 +161,6 @@ def _p99_rel(a: Path, b: Path) -> torch.Tensor:
 
 
 def _amx() -> bool:
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    from nestling.targets.vllm_rules import has_amx
+
+    return has_amx()

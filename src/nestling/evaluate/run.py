@@ -181,13 +181,12 @@ def _engine_this_machine_serves(target_dir: Path, s: EvalSettings) -> EvalSettin
 
     import torch
 
-    from nestling.targets.vllm_rules import eagle3_serving_limit
+    from nestling.targets.vllm_rules import eagle3_serving_limit, has_amx
 
     if s.engine not in ("vllm", "both"):
         return s
     config = json.loads((target_dir / "config.json").read_text())
-    amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
-    limit = eagle3_serving_limit(config, s.dtype, not torch.cuda.is_available(), amx)
+    limit = eagle3_serving_limit(config, s.dtype, not torch.cuda.is_available(), has_amx())
     if limit is None:
         return s
     log(f"[eval] the reference decoder measures this draft instead of vLLM: {limit}")

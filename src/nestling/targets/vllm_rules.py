@@ -38,6 +38,11 @@ def is_mla(config: dict) -> bool:
     return bool(text.get("kv_lora_rank")) or kind in MLA_TYPES
 
 
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles (vLLM's CPU build then runs MLA on AMX_MLA, bf16 only)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
 def check_cpu_target(config: dict) -> None:
     """The limits of vLLM's CPU build for MLA and quantized MoE targets (a GPU build has none of them).
 
@@ -51,7 +56,7 @@ def check_cpu_target(config: dict) -> None:
       sets it) runs vLLM's PyTorch rope and is exact.
     """
     text, kind = _text(config)
-    moe = cpu_moe_quant_problems(config, bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()))
+    moe = cpu_moe_quant_problems(config, has_amx())
     if moe:
         raise NestlingError(
             f"vLLM {TESTED_VLLM[0]}'s CPU build cannot run this {kind} target's int-quantized routed experts: its "
