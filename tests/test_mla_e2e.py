@@ -1,5 +1,5 @@
 """A draft for an MLA + MoE target, end to end through vLLM (CPU build): data, vllm capture, train,
-export, eval. The tiny DeepSeek-V3 (tests/test_capture_vllm.py) stands in for DeepSeek-V3 / Kimi-K2.
+export, eval. The tiny DeepSeek-V3 (tests/test_capture_vllm_mla.py) stands in for DeepSeek-V3 / Kimi-K2.
 
 vLLM's CPU build serves an EAGLE-3 draft beside an MLA target only in bf16 on CPUs with AMX tiles
 (targets/vllm_rules.py, `eagle3_serving_limit`); elsewhere eval measures with the reference decoder and

@@ -68,7 +68,7 @@ def check_target(config: dict) -> None:
     """Refuse targets this vLLM path cannot capture, before spending minutes loading them.
 
     MLA targets (DeepSeek-V2/V3, Kimi-K2 and K2.5) are captured: their states match transformers' to
-    float32 rounding (tests/test_capture_vllm.py; docs/capture-vllm.md, "MLA targets"). DeepSeek-V4 is
+    float32 rounding (tests/test_capture_vllm_mla.py; docs/capture-vllm.md, "MLA targets"). DeepSeek-V4 is
     refused: its model-specific KV packing swallows the hidden-state cache (vLLM #53074). On a CPU,
     `check_cpu_target` adds the limits of vLLM's CPU build.
     """
