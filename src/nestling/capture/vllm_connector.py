@@ -212,9 +212,10 @@ class NestlingHiddenStatesConnector(KVConnectorBase_V1):
         if self._embed is None:
             from safetensors import safe_open
 
-            src = self._embed_source or {}
+            assert self._cache is not None and self._embed_source is not None  # wait_for_save checks both
+            src = self._embed_source
             with safe_open(src["file"], "pt") as f:
-                self._embed = f.get_tensor(src["name"]).to(self._cache.dtype if self._cache is not None else None)
+                self._embed = f.get_tensor(src["name"]).to(self._cache.dtype)
         return self._embed[torch.tensor(token_ids, dtype=torch.long)]
 
     def _pwrite(self, path: str, offset: int, data: memoryview) -> None:
