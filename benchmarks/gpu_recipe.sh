@@ -52,9 +52,10 @@ again)
   # a copy of the run folder as far as data (its stage folders, state and marks): the run skips those stages
   mkdir -p $RUN-$NAME/state && cp -a $RUN/regenerate $RUN/data $RUN/run.json $RUN/.nestling-stage.json $RUN-$NAME/
   cp $RUN/state/regenerate.json $RUN/state/data.json $RUN-$NAME/state/
+  : > $RUN-$NAME.log  # there before the background run opens it, for the tail below
   (cd $H/repo && PYTHONPATH=/tmp/site:$H/repo/src setsid nohup python3 -m nestling run examples/gpu.yaml \
      run_dir=$RUN-$NAME $(cat $H/run.args) "$@" > $RUN-$NAME.log 2>&1 &)
-  sleep 60; tail -c 2000 $RUN-$NAME.log | tr '\r' '\n' | tail -5 ;;
+  sleep ${SHOW_SECONDS:-60}; tail -c 2000 $RUN-$NAME.log | tr '\r' '\n' | tail -5 ;;
 wait)
   if [ -n "${2:-}" ]; then RUN=$RUN-$2; fi
   LOG=$RUN.log; [ -e $LOG ] || LOG=$H/run.log

@@ -43,15 +43,19 @@ def maths_modules() -> list[tuple[str, object]]:
     return sorted(flat(modules.train(lambda r: r)), key=lambda kv: kv[0])
 
 
-def maths_questions(n: int, seed: int = 0, max_chars: int = 160) -> list[dict]:
-    """`n` distinct questions as ShareGPT conversations, round-robin over the modules. The package is
+def maths_questions(n: int, seed: int = 0, max_chars: int = 160, mods: list | None = None) -> list[dict]:
+    """`n` distinct questions as ShareGPT conversations, round-robin over the modules (`mods`: (name,
+    problem maker) pairs; default mathematics_dataset's). The package is
     old: a few modules fail under today's numpy/sympy; a module that fails 20 times is dropped (named
     on stderr)."""
     import numpy as np
 
     random.seed(seed)
     np.random.seed(seed)
-    mods, seen, out, fails = maths_modules(), set(), [], {}
+    mods = list(mods) if mods is not None else maths_modules()
+    seen: set[str] = set()
+    out: list[dict] = []
+    fails: dict[str, int] = {}
     while len(out) < n and mods:
         for name, make in list(mods):
             try:

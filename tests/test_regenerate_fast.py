@@ -259,7 +259,7 @@ def test_a_folder_from_before_shards_keeps_its_fingerprint():
     regenerated before it existed still resumes and still counts as finished; set, it counts."""
     from nestling.regenerate.settings import OUTPUT_FIELDS, output_settings
 
-    before = [k for k in OUTPUT_FIELDS if k != "shard"]  # the output settings until 6 Dec 2026
+    before = [k for k in OUTPUT_FIELDS if k != "shard"]  # the output settings before `shard`
     s = RegenerateSettings(temperature=0.7, limit=5)
     assert output_settings(s) == {k: getattr(s, k) for k in before}
     assert output_settings(dataclasses.replace(s, shard="1/4"))["shard"] == "1/4"

@@ -110,7 +110,7 @@ print("probe", json.dumps(seen), flush=True)
 def test_the_process_group_goes_after_the_finished_models_fsdp_state(capture, tmp_path):
     """The finished model's FSDP state is cyclic garbage that holds the process group; left for the
     interpreter's teardown, gloo now and then aborted a finished run ("terminate called without an
-    active exception", CI on 6 Dec 2026). `dist.shutdown` collects it before leaving the group."""
+    active exception", seen in CI). `dist.shutdown` collects it before leaving the group."""
     import json
     import os
     import subprocess
