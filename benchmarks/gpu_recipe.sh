@@ -8,7 +8,7 @@
 #   then, with .dev/b and .whl:                  bash benchmarks/gpu_recipe.sh start [KEY=VALUE ...]
 #                (the run in the background; settings after the config, e.g. regenerate.limit=5000 train.steps=1374)
 #                with MIX=N, the input is N ShareGPT conversations plus the maths questions of
-#                $H/stage/maths.jsonl.xz (made by benchmarks/mix_source.py --maths-only, then xz; carried in .dev/a)
+#                $H/stage/maths.jsonl.xz (made by benchmarks/mix_source.py --maths-only, then xz; copied over in .dev/a)
 #   optionally, once the data stage is done:    bash benchmarks/gpu_recipe.sh again NAME [KEY=VALUE ...]
 #                (a second run beside the first on the same GPU, reusing its regenerate and data stages:
 #                another training recipe on the same data, e.g. train.ttt_steps=5 eval.k=5)

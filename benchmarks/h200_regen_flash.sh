@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue #13: the hf engine's decode loop with flash decode attention (each slot reads its own keys)
 # against the masked matmul (every slot up to the longest busy position), random weights, every answer
-# to its cap, prompts of random length (so slots sit at different positions), on the H200 lent by the
-# device tool. One call, no staging (the code alone):
-#   run(command="bash benchmarks/h200_regen_flash.sh", kind="nvidia-h200")
+# to its cap, prompts of random length (so slots sit at different positions), on an H200. One step on the
+# GPU host, no staging (the code alone):
+#   bash benchmarks/h200_regen_flash.sh
 # Results: $OUT/regen_{smollm2,llama8b}_{matmul,auto}.json, the log $OUT/h200_regen_flash.log, a table last.
 # Smoke test on a CPU (flash there runs the masked matmul over its layout):
 #   OUT=/tmp/rf DEVICE=cpu SMOKE="--layers 2 --hidden 128 --requests 8 --max-new-tokens 8 --slots 4" bash benchmarks/h200_regen_flash.sh

@@ -3,9 +3,9 @@
 # real answers end at different steps) leave slots idle until a refill or the end of a wave; before
 # 4 Dec 2026 an idle slot still read its last occupant's keys every step (`--read-idle` restores that),
 # now it reads one; and prompts are prefilled packed instead of in right-padded batches
-# (`--padded-prefill` restores those). SmolLM2 shape, random weights, on the H200 lent by the device
-# tool; one call:
-#   run(command="bash benchmarks/h200_regen_idle.sh", kind="nvidia-h200")
+# (`--padded-prefill` restores those). SmolLM2 shape, random weights, on an H200; one step on the GPU
+# host:
+#   bash benchmarks/h200_regen_idle.sh
 # Results: $OUT/idle_{wave,refill}_{before,now}.json, the log, a table last.
 # CPU smoke: OUT=/tmp/ri DEVICE=cpu SMOKE="--layers 2 --hidden 128 --slots 4" REQ=8 NEW=8 bash benchmarks/h200_regen_idle.sh
 set -euo pipefail

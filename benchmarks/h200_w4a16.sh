@@ -5,10 +5,11 @@
 # benchmarks/quantize_w4a16.py), and benchmarks/capture_throughput.py measures both (bf16 on cuda; the
 # W4A16 one is dequantized at load). Results: $OUT/capture_h200_smollm2_{dense,w4a16}.json (plus
 # peak_gpu_mem_GB, peak_gpu_reserved_GB), the log $OUT/h200_w4a16.log, and a table printed last.
-# Device call, on the warm H200 after a `bash benchmarks/h200_curve.sh` call that ran its setup
-# (stage, then start/one/equal/regen...: /root/smollm2.gguf and the gguf package in /tmp/site):
-#   run(command="bash benchmarks/h200_w4a16.sh", carry=[".whl14"], kind="nvidia-h200")
-# .whl14 holds compressed-tensors 0.17.0 and what the GPU machine lacks of its requirements.
+# One step on the H200 host, after a `bash benchmarks/h200_curve.sh` step there that ran its setup
+# (stage, then start/one/equal/regen...: /root/smollm2.gguf and the gguf package in /tmp/site).
+# Copy .whl14 to the host first, then:
+#   bash benchmarks/h200_w4a16.sh
+# .whl14 holds compressed-tensors 0.17.0 and what the GPU host lacks of its requirements.
 # Locally (CPU): GGUF=/tmp/x/smollm2.gguf DEVICE=cpu SAMPLES=8 SEQ_LEN=256 WORK=/tmp/w4 OUT=/tmp/w4out PY=.venv/bin/python
 set -euo pipefail
 GGUF=${GGUF:-/root/smollm2.gguf} DEVICE=${DEVICE:-cuda} WORK=${WORK:-/root/w4a16bench} PY=${PY:-python3}
@@ -33,12 +34,12 @@ EOF
 
 main() {
   if [ ! -f "$GGUF" ]; then
-    echo "[w4a16] $GGUF is missing: run a \`bash benchmarks/h200_curve.sh\` call that runs its setup (after" \
-      "\`stage\`: start, one, equal, regen...) on this warm machine first, or set GGUF=" >&2
+    echo "[w4a16] $GGUF is missing: run a \`bash benchmarks/h200_curve.sh\` step that runs its setup (after" \
+      "\`stage\`: start, one, equal, regen...) on this host first, or set GGUF=" >&2
     exit 1
   fi
   $PY -c "import gguf" 2>/dev/null || { echo "[w4a16] the gguf package is not in /tmp/site (h200_curve.sh's setup installs it)" >&2; exit 1; }
-  ls "$WHL"/compressed_tensors-0.17.0-*.whl >/dev/null || { echo "[w4a16] carry $WHL (the wheels)" >&2; exit 1; }
+  ls "$WHL"/compressed_tensors-0.17.0-*.whl >/dev/null || { echo "[w4a16] copy $WHL (the wheels) over first" >&2; exit 1; }
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE14" "$WHL"/*.whl
   $PY -c "import compressed_tensors, pydantic, torch, transformers as t; print('[w4a16] compressed-tensors', \
 compressed_tensors.__version__, 'pydantic', pydantic.VERSION, 'torch', torch.__version__, 'transformers', t.__version__)"

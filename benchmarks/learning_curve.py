@@ -11,7 +11,7 @@ trained on the target's answers (`nestling regenerate`) and measured on the targ
 held-out prompts. Online training (`TrainSettings.online`) computes the target's hidden states in the
 loop, so the number of training tokens is bounded by time, not by the disk.
 
-Phases (each reuses what an earlier call left in --work, so consecutive device calls continue):
+Phases (each reuses what an earlier step left in --work, so consecutive steps on the GPU host continue):
 - prepare: split ShareGPT exactly as benchmarks/quality.py does (the last --heldout conversations are
   the evaluation prompts, never trained on); regenerate the held-out prompts' first answers and the
   first --regen-conversations training conversations with the target (transformers engine, greedy);
@@ -28,8 +28,8 @@ Phases (each reuses what an earlier call left in --work, so consecutive device c
   every --curve-points-th of the run, the reference decoder (K = 3, greedy) at --ref-points
   checkpoints; curve.png and the JSON.
 
-`--return NAME` tars export-NAME into 15 MB parts under OUT (one draft per call: the device returns
-64 MiB); evaluate it in vLLM elsewhere with `python benchmarks/quality.py --draft DIR`.
+`--return NAME` tars export-NAME into 15 MB parts under OUT (one draft per step: a step on the GPU host
+returns 64 MiB); evaluate it in vLLM elsewhere with `python benchmarks/quality.py --draft DIR`.
 Writes OUT/learning_curve.json and prints a table last.
 """
 
@@ -257,7 +257,7 @@ def sampled_count(kind: str) -> int:
 
 
 def greedy_set(b: Bench, kind: str) -> Path:
-    """The target's greedy answers from `--regen-pilot 0` (regenall, or stagedata's carried copy), which
+    """The target's greedy answers from `--regen-pilot 0` (regenall, or the copy stagedata staged), which
     data=regen and data=regen+sM train on; else stop with what to run first."""
     greedy = b.w / "regen-rest" / "messages.jsonl"
     if (b.w / "split" / "train_pilot.json").exists():  # regen-rest would start after the pilot's conversations
@@ -268,10 +268,10 @@ def greedy_set(b: Bench, kind: str) -> Path:
 
 
 def staged_sample(b: Bench, name: str, m: int) -> Path | None:
-    """A sampled set an earlier session wrote and `stagedata` carried back (its manifest and messages,
+    """A sampled set an earlier run wrote and `stagedata` copied back (its manifest and messages,
     unpacked in the work folder): used as it is when it was sampled as this run asks, from the same
-    conversations, so a session can spend its device time on training (~13 minutes of an H100 for
-    all of ShareGPT otherwise)."""
+    conversations, so the GPU time goes to training (~13 minutes of an H100 for all of ShareGPT
+    otherwise)."""
     from nestling.manifest import hash_file
 
     out = b.w / name
@@ -380,7 +380,7 @@ def sim_k(acc: list, k: int = 3) -> float:
 
 
 def fresh(out: Path) -> Path:
-    """A run an earlier call left unfinished starts again (ablations are short)."""
+    """A run an earlier step left unfinished starts again (ablations are short)."""
     import shutil
 
     if out.exists() and not (out / "manifest.json").exists():
@@ -741,7 +741,7 @@ def run_command(a, name: str, phase: str, kv: str, w: Path) -> list[str]:
 def parallel(b: Bench) -> None:
     """Start every --run NAME=PHASE:key=value,... as its own process sharing this GPU (a 135M target
     leaves an H200 mostly idle: one run is bound by kernel launches), in a new session so it outlives
-    this device call; they share the prepared folders and stop training by --deadline."""
+    this step on the GPU host; they share the prepared folders and stop training by --deadline."""
     a = b.args
     procs = {}
     for spec in a.run:
@@ -749,7 +749,7 @@ def parallel(b: Bench) -> None:
         phase, _, kv = rest.partition(":")
         over = parse_kv(kv)
         if phase == "curve" and not sampled_count(str(over.get("data", "regen"))):
-            data_dir(b, over)  # tokenized once here, linked below (sampled answers: in the run, past this call)
+            data_dir(b, over)  # tokenized once here, linked below (sampled answers: in the run, past this step)
         w = run_folder(b, name)
         cmd = run_command(a, name, phase, kv, w)
         log = open(b.w / f"run-{name}.log", "w")
@@ -788,7 +788,7 @@ def wait_runs(b: Bench) -> None:
         rp = b.w.parent / f"{b.w.name}-{name}" / "learning_curve.json"
         if rp.exists():
             runs[name] = json.loads(rp.read_text())
-    with open(b.out / "runs.log", "w") as f:  # one file: the device returns at most 8
+    with open(b.out / "runs.log", "w") as f:  # one file: a step returns at most 8
         for name in pids:
             f.write(f"==== {name}\n" + (b.w / f"run-{name}.log").read_text(errors="replace")[-100_000:] + "\n")
     b.res["runs"] = runs
