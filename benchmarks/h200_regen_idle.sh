@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #13: what idle slots cost the flash decode loop. Answers of random length (uniform 1..384, as
-# real answers end at different steps) leave slots idle until a refill or the end of a wave; before
-# 4 Dec 2026 an idle slot still read its last occupant's keys every step (`--read-idle` restores that),
+# real answers end at different steps) leave slots idle until a refill or the end of a wave; earlier
+# an idle slot still read its last occupant's keys every step (`--read-idle` restores that),
 # now it reads one; and prompts are prefilled packed instead of in right-padded batches
 # (`--padded-prefill` restores those). SmolLM2 shape, random weights, on an H200; one step on the GPU
 # host:

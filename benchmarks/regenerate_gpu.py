@@ -162,9 +162,9 @@ def shape_run(a) -> dict:
         on_cuda and not a.eager,
         attention=a.attention,
     )
-    if a.padded_prefill:  # as before 4 Dec 2026: right-padded prefill batches through transformers' forward
+    if a.padded_prefill:  # as earlier: right-padded prefill batches through transformers' forward
         dec.sm.packed_why, dec.sm.prefill_check_pending = "--padded-prefill", False
-    if a.read_idle:  # as before 4 Dec 2026: idle slots read their last occupant's keys every step
+    if a.read_idle:  # as earlier: idle slots read their last occupant's keys every step
         logits = dec.sm.logits
         dec.sm.logits = lambda tokens, pos, window, live=None: logits(tokens, pos, window)  # type: ignore[method-assign]
     t0 = time.monotonic()
@@ -269,12 +269,12 @@ def main() -> None:
     ap.add_argument(
         "--padded-prefill",
         action="store_true",
-        help="shape mode: right-padded prefill batches (before 4 Dec 2026) instead of packed ones",
+        help="shape mode: right-padded prefill batches (the earlier way) instead of packed ones",
     )
     ap.add_argument(
         "--read-idle",
         action="store_true",
-        help="shape mode: idle slots read their last occupant's keys each step (flash before 4 Dec 2026)",
+        help="shape mode: idle slots read their last occupant's keys each step (the earlier flash loop)",
     )
     ap.add_argument(
         "--attention",

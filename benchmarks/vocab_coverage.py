@@ -10,7 +10,7 @@ a drafted chain. Two uses (docs/train.md, "Draft vocabulary"):
       (the target's own answers), or the outputs of an eval report.json (what vLLM generated)
   extend:   python benchmarks/vocab_coverage.py extend --draft DRAFT --target TARGET --out DIR
       a copy of DRAFT whose lm_head holds every target row (no d2t / t2d): the same draft with nothing
-      left out. Only for a frozen head (train's default since 5 Dec 2026): its rows are the target's, so the
+      left out. Only for a frozen head (train's default): its rows are the target's, so the
       added rows are what training would have seen; a trained head is refused (its rows moved away
       from the target's, and mixing the two measured 0.36 tokens per target forward worse).
 """

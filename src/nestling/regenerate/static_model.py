@@ -38,7 +38,7 @@ ATTENTION = ("auto", "matmul", "sdpa", "flash")
 # relative L2 error of the logits; its 99th percentile) below this, the packed capture's bar. bf16
 # rounding in another reduction order moves them by a few percent; a row reading another row's keys
 # or the wrong length moves them by O(1). Measured on the H200: random-weight SmolLM2 and 8B shapes
-# 0.013 and 0.078, the real SmolLM2-135M-Instruct 0.038-0.078 (4 Dec 2026)
+# 0.013 and 0.078, the real SmolLM2-135M-Instruct 0.038-0.078
 FLASH_TOLERANCE = 0.2
 # the packed prefill's check runs on the first batch's first prompts up to this many tokens (at least
 # one prompt): enough prompts to see one mixed into another, little memory for the copies it compares

@@ -1,7 +1,7 @@
 """Noise on the target's hidden states during training (`hidden_noise`), reproducible without saved state.
 
 What speculators does (`speculators/train/noise_transforms.py: AddUniformNoise`, applied by its
-training dataloader only, never to the validation split, up to its August 2026 code; the 0.9.0 release
+training dataloader only, never to the validation split, in its main branch as read; the 0.9.0 release
 no longer has it): `x + 2 * (rand_like(x) - 0.5) * std` on the concatenated aux states, the input of
 `fc`, with std 0.05. Despite the name that is uniform noise in [-std, std], not scaled by anything.
 (EAGLE-1/2's trainer, `eagle/train/main.py`, added `(rand - 0.5) * std * 512 / sequence length` to the
