@@ -222,6 +222,26 @@ def test_eval_reference_report(tiny, draft_dir, tmp_path, capsys):
         evaluate(draft_dir, tiny, bad, tmp_path / "e2", EvalSettings(max_new_tokens=4, engine="reference"))
 
 
+def test_batch_reports_its_spent_budget_while_it_decodes(model, draft_dir, tiny, tmp_path, capsys):
+    """A batch holding every prompt is one call: it reports the token budget spent so far (a finished
+    prompt counts its whole share) while it decodes, so eval shows a rate and an ETA, not minutes of
+    silence; the reports only grow, stay within the budget, and do not change the output."""
+    draft = load_draft(draft_dir, model)
+    dec = SpecDecoder(model, draft, k=2)
+    prompts = [[5, 6, 7, 8], list(range(200, 230)), [9, 10]]
+    seen: list[int] = []
+    out, _, _ = dec.generate_batch(prompts, 12, on_progress=seen.append, progress_every_s=0.0)
+    assert seen and seen == sorted(seen) and 0 < seen[-1] <= 3 * 12
+    assert out == dec.generate_batch(prompts, 12)[0]
+    from nestling.evaluate.run import evaluate
+    from nestling.evaluate.settings import EvalSettings
+
+    prompts_file = tmp_path / "p.jsonl"
+    prompts_file.write_text('{"prompt": "Say hello."}\n{"prompt": "Count to five."}\n')
+    evaluate(draft_dir, tiny, prompts_file, tmp_path / "e", EvalSettings(max_new_tokens=12, k=2, engine="reference"))
+    assert "[eval reference] 24/24 tokens (100.0%)" in capsys.readouterr().err
+
+
 def test_report_says_what_a_low_identical_share_means():
     """Below 100%, the report says it is the engine's rounding with the forward's shape, not the draft."""
     from nestling.evaluate.report import identical_note, markdown

@@ -53,11 +53,18 @@ def run_reference(
     outs: list[list[int]] = [[] for _ in prompts]
     base_outs: list[list[int]] = [[] for _ in prompts]
     base_s = 0.0
-    prog = Progress("eval reference", total=len(prompts), unit="prompts")
+    # in tokens of the budget (prompts x max_new_tokens; a finished prompt spends its whole share), so
+    # a batch that holds every prompt still reports its rate and a true ETA while it decodes
+    prog = Progress("eval reference", total=len(prompts) * s.max_new_tokens, unit="tokens")
     for idx in batches(prompts, s.batch_size):
         group = [prompts[i] for i in idx]
         seeds = [s.seed + i for i in idx]
-        o, stats, seconds = dec.generate_batch(group, s.max_new_tokens, seeds)
+        before = prog.done
+
+        def report(spent: int, before: int = before) -> None:
+            prog.update(before + spent - prog.done)
+
+        o, stats, seconds = dec.generate_batch(group, s.max_new_tokens, seeds, on_progress=report)
         for i, oi, st in zip(idx, o, stats):
             outs[i] = oi
             total.add(st)
@@ -67,7 +74,7 @@ def run_reference(
             for i, bi in zip(idx, b):
                 base_outs[i] = bi
             base_s += dt
-        prog.update(len(idx), tokens=sum(map(len, o)), acc_len=total.acceptance_length)
+        prog.update(before + len(idx) * s.max_new_tokens - prog.done, acc_len=total.acceptance_length)
     r = {
         "acceptance_length": total.acceptance_length,
         "per_position": total.per_position,

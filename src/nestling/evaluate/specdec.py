@@ -11,6 +11,8 @@ tokens are then fed again with their target features (vLLM overwrites the same K
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -264,10 +266,18 @@ class SpecDecoder:
 
     @torch.no_grad()
     def generate_batch(
-        self, prompts: list[list[int]], max_new_tokens: int, seeds: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        seeds: list[int] | None = None,
+        on_progress: Callable[[int], None] | None = None,
+        progress_every_s: float = 5.0,
     ) -> tuple[list[list[int]], list[SpecStats], float]:
-        """Decode every prompt at once -> outputs, each prompt's counters, wall seconds of the batch."""
-        t0 = time.perf_counter()
+        """Decode every prompt at once -> outputs, each prompt's counters, wall seconds of the batch.
+        `on_progress(spent)`, at most every `progress_every_s` (one extra host read then): the token
+        budget spent so far, a finished prompt counting its whole `max_new_tokens`, so that a rate over
+        it gives a true ETA for the batch."""
+        t0 = last_report = time.perf_counter()
         K, dev = self.k, self.target_model.device
         gens = None
         if self.temperature > 0:
@@ -298,6 +308,10 @@ class SpecDecoder:
             n_done = int(rows.done.sum())  # the one host read of a round
             if n_done == len(ids):
                 break
+            if on_progress is not None and time.perf_counter() - last_report >= progress_every_s:
+                last_report = time.perf_counter()
+                live = int(rows.length[~rows.done].sum())
+                on_progress(max_new_tokens * (len(results) + n_done) + live)
             if 2 * n_done >= len(ids):  # half the rows idle: the finished ones leave the batch
                 keep = (~rows.done).nonzero()[:, 0]
                 for r in rows.done.nonzero()[:, 0].tolist():
