@@ -12,6 +12,11 @@
 #   optionally, once the data stage is done:    bash benchmarks/gpu_recipe.sh again NAME [KEY=VALUE ...]
 #                (a second run beside the first on the same GPU, reusing its regenerate and data stages:
 #                another training recipe on the same data, e.g. train.ttt_steps=5 eval.k=5)
+#   to keep the target's answers for a later run: bash benchmarks/gpu_recipe.sh packregen
+#                (once regenerate is done: the run's regenerate stage as regen.tar.xz.* parts in $OUT; keep
+#                them in .dev/c); a later run on a fresh host, after `stage`, copies .dev/c over and runs
+#                bash benchmarks/gpu_recipe.sh stageregen, then `start` with the same MIX and regenerate
+#                settings skips regeneration (the run's log says "regenerate: complete ... skipped")
 #   then, as often as needed:                    bash benchmarks/gpu_recipe.sh wait [NAME]
 #                until it says done; results go to $OUT, the draft as draft.tar.* parts (cat, untar,
 #                measure with benchmarks/quality.py --draft); NAME: the `again` run's instead
@@ -56,6 +61,16 @@ again)
   (cd $H/repo && PYTHONPATH=/tmp/site:$H/repo/src setsid nohup python3 -m nestling run examples/gpu.yaml \
      run_dir=$RUN-$NAME $(cat $H/run.args) "$@" > $RUN-$NAME.log 2>&1 &)
   sleep ${SHOW_SECONDS:-60}; tail -c 2000 $RUN-$NAME.log | tr '\r' '\n' | tail -5 ;;
+packregen)
+  grep -q '"status": "complete"' $RUN/state/regenerate.json 2>/dev/null \
+    || { echo "[gpu] no finished regenerate stage in $RUN" >&2; exit 3; }
+  (cd $RUN && tar -cf - regenerate state/regenerate.json run.json .nestling-stage.json) | xz -T0 -6 \
+    | split -b 15M -d - $OUT/regen.tar.xz.
+  ls -la $OUT ;;
+stageregen)
+  ls .dev/c/regen.tar.xz.* >/dev/null || { echo "[gpu] .dev/c/regen.tar.xz.* missing: copy .dev/c over" >&2; exit 3; }
+  mkdir -p $RUN && cat .dev/c/regen.tar.xz.* | xz -d | tar -x -C $RUN
+  grep '"status"' $RUN/state/regenerate.json ;;
 wait)
   if [ -n "${2:-}" ]; then RUN=$RUN-$2; fi
   LOG=$RUN.log; [ -e $LOG ] || LOG=$H/run.log

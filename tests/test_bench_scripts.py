@@ -377,3 +377,41 @@ def test_quality_benchmark_measures_a_draft_at_a_temperature(tmp_path, tiny_targ
     ]
     report = json.loads((tmp_path / "q" / "full" / f"eval-{draft.name}-k2-t0.7" / "report.json").read_text())
     assert report["settings"]["temperature"] == 0.7 and report["num_prompts"] == 2
+
+
+def test_gpu_recipe_regenerated_answers_go_back_and_are_staged_again(tmp_path):
+    """`packregen` returns a finished regenerate stage (folder, state, run marks) as xz parts;
+    `stageregen` on a fresh home puts it back where `nestling run` finds it complete; an unfinished
+    stage is not packed."""
+    home, fresh, out = tmp_path / "home", tmp_path / "fresh", tmp_path / "out"
+    run = home / "gpu-run"
+    (run / "state").mkdir(parents=True)
+    (run / "regenerate" / "sampled").mkdir(parents=True)
+    payload = os.urandom(3000).hex()
+    (run / "regenerate" / "messages.jsonl").write_text(payload)
+    (run / "regenerate" / "sampled" / "messages.jsonl").write_text(payload[::-1])
+    (run / "run.json").write_text("{}")
+    (run / ".nestling-stage.json").write_text('{"stage": "run"}')
+    out.mkdir()
+    script = ["bash", str(ROOT / "benchmarks" / "gpu_recipe.sh")]
+    env = {**os.environ, "GPU_HOME": str(home), "OUT": str(out)}
+    (run / "state" / "regenerate.json").write_text('{"status": "running"}')
+    r = subprocess.run(script + ["packregen"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 3 and "no finished regenerate stage" in r.stderr and not list(out.iterdir())
+    (run / "state" / "regenerate.json").write_text('{"status": "complete"}')
+    r = subprocess.run(script + ["packregen"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    parts = sorted(out.iterdir())
+    assert [p.name for p in parts] == ["regen.tar.xz.00"]
+    work = tmp_path / "checkout"
+    (work / ".dev" / "c").mkdir(parents=True)
+    for p in parts:
+        (work / ".dev" / "c" / p.name).write_bytes(p.read_bytes())
+    env = {**os.environ, "GPU_HOME": str(fresh), "OUT": str(out)}
+    r = subprocess.run(script + ["stageregen"], cwd=work, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    back = fresh / "gpu-run"
+    assert (back / "regenerate" / "messages.jsonl").read_text() == payload
+    assert (back / "regenerate" / "sampled" / "messages.jsonl").read_text() == payload[::-1]
+    assert (back / "state" / "regenerate.json").read_text() == '{"status": "complete"}'
+    assert (back / ".nestling-stage.json").exists() and (back / "run.json").exists()
