@@ -24,6 +24,7 @@ set -euo pipefail
 H=${GPU_HOME:-/root}
 RUN=$H/gpu-run
 export PYTHONUNBUFFERED=1 NESTLING_CACHE=$H/nestling-cache
+complete() { grep -q '"status": "complete"' $RUN/state/$1.json 2>/dev/null; }  # a finished stage of the run
 case "$1" in
 stage)
   mkdir -p $H/stage && cp .dev/a/* $H/stage/ && ls -la $H/stage ;;
@@ -50,7 +51,7 @@ start)
 again)
   NAME=$2; shift 2
   T0=$(date +%s)
-  until [ -e $RUN/state/data.json ] && grep -q '"status": "complete"' $RUN/state/data.json; do  # the data stage is done
+  until complete data; do
     [ $(($(date +%s) - T0)) -lt ${WAIT_SECONDS:-480} ] || { echo "[gpu] the data stage is not done yet" >&2; exit 3; }
     sleep 5
   done
@@ -62,8 +63,7 @@ again)
      run_dir=$RUN-$NAME $(cat $H/run.args) "$@" > $RUN-$NAME.log 2>&1 &)
   sleep ${SHOW_SECONDS:-60}; tail -c 2000 $RUN-$NAME.log | tr '\r' '\n' | tail -5 ;;
 packregen)
-  grep -q '"status": "complete"' $RUN/state/regenerate.json 2>/dev/null \
-    || { echo "[gpu] no finished regenerate stage in $RUN" >&2; exit 3; }
+  complete regenerate || { echo "[gpu] no finished regenerate stage in $RUN" >&2; exit 3; }
   (cd $RUN && tar -cf - regenerate state/regenerate.json run.json .nestling-stage.json) | xz -T0 -6 \
     | split -b 15M -d - $OUT/regen.tar.xz.
   ls -la $OUT ;;

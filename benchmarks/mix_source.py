@@ -58,6 +58,8 @@ def maths_questions(n: int, seed: int = 0, max_chars: int = 160, mods: list | No
     fails: dict[str, int] = {}
     while len(out) < n and mods:
         for name, make in list(mods):
+            if len(out) >= n:
+                break
             try:
                 problem = make()
             except Exception as e:  # the package's own rot, not our input
@@ -67,7 +69,7 @@ def maths_questions(n: int, seed: int = 0, max_chars: int = 160, mods: list | No
                     mods.remove((name, make))
                 continue
             q, a = str(problem.question), str(problem.answer)
-            if len(q) > max_chars or q in seen or len(out) >= n:
+            if len(q) > max_chars or q in seen:
                 continue
             seen.add(q)
             conv = [{"from": "human", "value": q}, {"from": "gpt", "value": a}]

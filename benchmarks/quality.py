@@ -204,6 +204,11 @@ def run_ngram(
     }
 
 
+def temperature_suffix(t: float) -> str:
+    """`-t0.7` in result names at a temperature, nothing greedy (greedy names stay as they were)."""
+    return f"-t{t:g}" if t else ""
+
+
 def per_forward(r: dict) -> float | None:
     """Tokens per target forward over *all* steps. vLLM's acceptance length (1 + accepted / drafts)
     counts only steps that drafted; ngram drafts only when the context repeats, so both are shown."""
@@ -240,7 +245,7 @@ def measure(
             draft,
             target,
             prompts_path,
-            out / (f"eval-{draft.name}-k{k}" + (f"-t{args.temperature:g}" if args.temperature else "")),
+            out / f"eval-{draft.name}-k{k}{temperature_suffix(args.temperature)}",
             EvalSettings(
                 k=k,
                 temperature=args.temperature,
@@ -339,7 +344,7 @@ def evaluate_draft(args, draft: Path, target: str, prompts_path: Path, out: Path
         "rows": rows,
         "stage_seconds": stage_s,
     }
-    path = out / (f"quality-{name}" + (f"-t{args.temperature:g}" if args.temperature else "") + ".json")
+    path = out / f"quality-{name}{temperature_suffix(args.temperature)}.json"
     path.write_text(json.dumps(result, indent=2))
     how = f"temperature {args.temperature:g}" if args.temperature else "greedy"
     print_rows(f"{draft} on held-out prompts {prompts}, {how}, {args.max_new_tokens} new tokens", rows, stage_s)
