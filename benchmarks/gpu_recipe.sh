@@ -11,7 +11,8 @@
 #                $H/stage/maths.jsonl.xz (made by benchmarks/mix_source.py --maths-only, then xz; copied over in .dev/a)
 #   optionally, once the data stage is done:    bash benchmarks/gpu_recipe.sh again NAME [KEY=VALUE ...]
 #                (a second run beside the first on the same GPU, reusing its regenerate and data stages:
-#                another training recipe on the same data, e.g. train.ttt_steps=5 eval.k=5)
+#                another training recipe on the same data, e.g. train.ttt_steps=5 eval.k=5); AFTER=train waits
+#                for the first run's training to finish instead, where two trainings don't fit the GPU's memory
 #   to keep the target's answers for a later run: bash benchmarks/gpu_recipe.sh packregen
 #                (once regenerate is done: the run's regenerate stage as regen.tar.xz.* parts in $OUT; keep
 #                them in .dev/c); a later run on a fresh host, after `stage`, copies .dev/c over and runs
@@ -51,8 +52,8 @@ start)
 again)
   NAME=$2; shift 2
   T0=$(date +%s)
-  until complete data; do
-    [ $(($(date +%s) - T0)) -lt ${WAIT_SECONDS:-480} ] || { echo "[gpu] the data stage is not done yet" >&2; exit 3; }
+  until complete ${AFTER:-data}; do
+    [ $(($(date +%s) - T0)) -lt ${WAIT_SECONDS:-480} ] || { echo "[gpu] the ${AFTER:-data} stage is not done yet" >&2; exit 3; }
     sleep 5
   done
   # a copy of the run folder as far as data (its stage folders, state and marks): the run skips those stages

@@ -311,7 +311,8 @@ def _fake_python(tmp_path: Path) -> Path:
 def test_gpu_recipe_again_reuses_the_first_runs_regenerate_and_data(tmp_path):
     """`gpu_recipe.sh again NAME` starts a second recipe on a copy of the first run's folder up to
     the data stage (stage folders, state, marks), with the first run's settings and its own after them,
-    so `nestling run` skips regenerate and data; it waits for the data stage, with a limit."""
+    so `nestling run` skips regenerate and data; it waits for the data stage (AFTER=train: the first
+    run's training), with a limit."""
     home = tmp_path / "home"
     run = home / "gpu-run"
     (run / "state").mkdir(parents=True)
@@ -336,6 +337,9 @@ def test_gpu_recipe_again_reuses_the_first_runs_regenerate_and_data(tmp_path):
     assert r.returncode == 3 and "data stage is not done" in r.stderr  # data still running: no copy
     assert not (home / "gpu-run-ttt5").exists()
     (run / "state" / "data.json").write_text('{"status": "complete"}')
+    r = subprocess.run(cmd, cwd=ROOT, env={**env, "AFTER": "train"}, capture_output=True, text=True)
+    assert r.returncode == 3 and "train stage is not done" in r.stderr  # AFTER=train: the first training
+    assert not (home / "gpu-run-ttt5").exists()
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     copy = home / "gpu-run-ttt5"
