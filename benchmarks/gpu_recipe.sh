@@ -11,8 +11,9 @@
 #                $H/stage/maths.jsonl.xz (made by benchmarks/mix_source.py --maths-only, then xz; copied over in .dev/a)
 #   optionally, once the data stage is done:    bash benchmarks/gpu_recipe.sh again NAME [KEY=VALUE ...]
 #                (a second run beside the first on the same GPU, reusing its regenerate and data stages:
-#                another training recipe on the same data, e.g. train.ttt_steps=5 eval.k=5); AFTER=train waits
-#                for the first run's training to finish instead, where two trainings don't fit the GPU's memory
+#                another training recipe on the same data, e.g. train.ttt_steps=5 eval.k=5); AFTER=eval waits
+#                for the first run's last stage instead, where two trainings don't fit the GPU's memory (a run
+#                holds its GPU memory until it ends: AFTER=train is too early, its eval still holds the memory)
 #   to keep the target's answers for a later run: bash benchmarks/gpu_recipe.sh packregen
 #                (once regenerate is done: the run's regenerate stage as regen.tar.xz.* parts in $OUT; keep
 #                them in .dev/c); a later run on a fresh host, after `stage`, copies .dev/c over and runs

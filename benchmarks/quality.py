@@ -204,9 +204,12 @@ def run_ngram(
     }
 
 
-def temperature_suffix(t: float) -> str:
-    """`-t0.7` in result names at a temperature, nothing greedy (greedy names stay as they were)."""
-    return f"-t{t:g}" if t else ""
+def temperature_suffix(t: float, draft_sample_method: str = "greedy") -> str:
+    """`-t0.7` in result names at a temperature (`-t0.7-probabilistic` for sampled drafts), nothing
+    greedy (greedy names stay as they were)."""
+    if not t:
+        return ""
+    return f"-t{t:g}" + ("-probabilistic" if draft_sample_method == "probabilistic" else "")
 
 
 def per_forward(r: dict) -> float | None:
@@ -245,10 +248,11 @@ def measure(
             draft,
             target,
             prompts_path,
-            out / f"eval-{draft.name}-k{k}{temperature_suffix(args.temperature)}",
+            out / f"eval-{draft.name}-k{k}{temperature_suffix(args.temperature, args.draft_sample_method)}",
             EvalSettings(
                 k=k,
                 temperature=args.temperature,
+                draft_sample_method=args.draft_sample_method,
                 engine=engine,
                 max_new_tokens=args.max_new_tokens,
                 baseline=baseline,
@@ -266,6 +270,7 @@ def measure(
                     "engine": eng,
                     "k": k,
                     "temperature": args.temperature,
+                    "draft_sample_method": args.draft_sample_method,
                     "acceptance_length": r["acceptance_length"],
                     "tokens_per_forward": per_forward(r),
                     "per_position": r["per_position"],
@@ -341,12 +346,13 @@ def evaluate_draft(args, draft: Path, target: str, prompts_path: Path, out: Path
         "prompts": prompts,
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
+        "draft_sample_method": args.draft_sample_method,
         "rows": rows,
         "stage_seconds": stage_s,
     }
-    path = out / f"quality-{name}{temperature_suffix(args.temperature)}.json"
+    path = out / f"quality-{name}{temperature_suffix(args.temperature, args.draft_sample_method)}.json"
     path.write_text(json.dumps(result, indent=2))
-    how = f"temperature {args.temperature:g}" if args.temperature else "greedy"
+    how = f"temperature {args.temperature:g}, {args.draft_sample_method} drafts" if args.temperature else "greedy"
     print_rows(f"{draft} on held-out prompts {prompts}, {how}, {args.max_new_tokens} new tokens", rows, stage_s)
     print(f"\nwrote {path}")
 
@@ -405,6 +411,13 @@ def main() -> None:
         default=0.0,
         help="0 = greedy (default); > 0: rejection sampling (vLLM's CPU build is refused there: its sampler is "
         "wrong, docs/eval.md; use --engines reference); the ngram bar is greedy only",
+    )
+    ap.add_argument(
+        "--draft-sample-method",
+        choices=["greedy", "probabilistic"],
+        default="greedy",
+        help="at a temperature, how the draft proposes (vLLM's speculative_config.draft_sample_method): greedy "
+        "(vLLM's default) or probabilistic",
     )
     ap.add_argument("--ngram-worker", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
     args = ap.parse_args()

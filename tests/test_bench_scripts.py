@@ -311,8 +311,8 @@ def _fake_python(tmp_path: Path) -> Path:
 def test_gpu_recipe_again_reuses_the_first_runs_regenerate_and_data(tmp_path):
     """`gpu_recipe.sh again NAME` starts a second recipe on a copy of the first run's folder up to
     the data stage (stage folders, state, marks), with the first run's settings and its own after them,
-    so `nestling run` skips regenerate and data; it waits for the data stage (AFTER=train: the first
-    run's training), with a limit."""
+    so `nestling run` skips regenerate and data; it waits for the data stage (AFTER=eval: the first
+    run's last stage), with a limit."""
     home = tmp_path / "home"
     run = home / "gpu-run"
     (run / "state").mkdir(parents=True)
@@ -337,8 +337,8 @@ def test_gpu_recipe_again_reuses_the_first_runs_regenerate_and_data(tmp_path):
     assert r.returncode == 3 and "data stage is not done" in r.stderr  # data still running: no copy
     assert not (home / "gpu-run-ttt5").exists()
     (run / "state" / "data.json").write_text('{"status": "complete"}')
-    r = subprocess.run(cmd, cwd=ROOT, env={**env, "AFTER": "train"}, capture_output=True, text=True)
-    assert r.returncode == 3 and "train stage is not done" in r.stderr  # AFTER=train: the first training
+    r = subprocess.run(cmd, cwd=ROOT, env={**env, "AFTER": "eval"}, capture_output=True, text=True)
+    assert r.returncode == 3 and "eval stage is not done" in r.stderr  # AFTER=eval: the first run's end
     assert not (home / "gpu-run-ttt5").exists()
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -358,8 +358,9 @@ def test_gpu_recipe_again_reuses_the_first_runs_regenerate_and_data(tmp_path):
 
 @pytest.mark.slow
 def test_quality_benchmark_measures_a_draft_at_a_temperature(tmp_path, tiny_target):
-    """`quality.py --draft D --temperature 0.7`: the reference decoder samples at 0.7 (its report says
-    so), the rows carry the temperature, and the greedy-only ngram bar is left out with a line."""
+    """`quality.py --draft D --temperature 0.7 --draft-sample-method probabilistic`: the reference decoder
+    samples at 0.7 with sampled drafts (its report says so), the rows and the result's name carry both,
+    and the greedy-only ngram bar is left out with a line."""
     import json
 
     from eagle_helpers import make_train_dir, new_draft
@@ -372,15 +373,19 @@ def test_quality_benchmark_measures_a_draft_at_a_temperature(tmp_path, tiny_targ
     cmd = [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--budget", "full", "--draft", str(draft)]
     cmd += ["--target", str(tiny), "--engines", "reference", "--temperature", "0.7", "--domains", "chat"]
     cmd += ["--max-prompts", "2", "--max-new-tokens", "4", "--k", "2", "--out", str(tmp_path / "q")]
+    cmd += ["--draft-sample-method", "probabilistic"]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "ngram bar is measured greedy only; skipped" in r.stdout and "temperature 0.7" in r.stdout
-    result = json.loads((tmp_path / "q" / "full" / f"quality-{draft.name}-t0.7.json").read_text())
-    assert result["temperature"] == 0.7 and [(x["method"], x["temperature"]) for x in result["rows"]] == [
-        ("eagle3", 0.7)
-    ]
-    report = json.loads((tmp_path / "q" / "full" / f"eval-{draft.name}-k2-t0.7" / "report.json").read_text())
+    assert "ngram bar is measured greedy only; skipped" in r.stdout
+    assert "temperature 0.7, probabilistic drafts" in r.stdout
+    result = json.loads((tmp_path / "q" / "full" / f"quality-{draft.name}-t0.7-probabilistic.json").read_text())
+    assert result["temperature"] == 0.7 and result["draft_sample_method"] == "probabilistic"
+    rows = [(x["method"], x["temperature"], x["draft_sample_method"]) for x in result["rows"]]
+    assert rows == [("eagle3", 0.7, "probabilistic")]
+    folder = tmp_path / "q" / "full" / f"eval-{draft.name}-k2-t0.7-probabilistic"
+    report = json.loads((folder / "report.json").read_text())
     assert report["settings"]["temperature"] == 0.7 and report["num_prompts"] == 2
+    assert report["settings"]["draft_sample_method"] == "probabilistic"
 
 
 def test_gpu_recipe_regenerated_answers_go_back_and_are_staged_again(tmp_path):

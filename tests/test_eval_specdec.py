@@ -154,7 +154,9 @@ def test_sampling_matches_target_distribution(model, draft_dir):
     prompt = list(range(100, 120))
     n = 100
     exact = _target_sequence_probs(model, prompt, 3, T, floor=1 / n)  # every cell expecting >= 1 sample
-    dec = SpecDecoder(model, draft, k=2, temperature=T)
+    # probabilistic: this random draft's argmax is rarely the target's token, so greedy drafts would
+    # leave the acceptance path unexercised (tests/test_eval_sampling.py holds both methods exact)
+    dec = SpecDecoder(model, draft, k=2, temperature=T, draft_sample_method="probabilistic")
     counts: dict[tuple[int, ...], int] = {}
     accepted = 0
     with threads(1):  # tiny shapes on a shared 2-core machine
@@ -265,3 +267,35 @@ def test_draftable_share_counts_the_draft_vocabulary(tiny, tmp_path):
     full = new_draft(tiny, AUX, draft_vocab_size=49152)
     f = export(make_train_dir(full, tmp_path / "tf"), tmp_path / "f", ExportSettings(dtype="float32"))
     assert draftable_share(f, [[10, 11, 5], [73, 74]]) == 1.0
+
+
+def test_draft_sample_method_reaches_the_decoder_the_report_and_vllm(tiny, draft_dir, tmp_path, capsys):
+    """`--draft-sample-method` (vLLM's speculative_config.draft_sample_method): greedy by default, as in
+    vLLM; the CLI's choice reaches the reference decoder's report (head and settings) and the vLLM
+    worker's speculative_config, which names the option only where it is not vLLM's default (an engine
+    that predates it still loads); an unknown value is refused with what to give."""
+    import json
+
+    from nestling.cli import main
+    from nestling.evaluate.settings import EvalSettings
+    from nestling.evaluate.vllm_worker import speculative_config
+
+    assert EvalSettings().draft_sample_method == "greedy"
+    with pytest.raises(NestlingError, match="greedy .vLLM's default. or probabilistic"):
+        EvalSettings(draft_sample_method="sampled")  # type: ignore[arg-type]
+    spec = {"k": 3}
+    assert speculative_config(spec, "d") == {"method": "eagle3", "model": "d", "num_speculative_tokens": 3}
+    spec["draft_sample_method"] = "probabilistic"
+    assert speculative_config(spec, "d")["draft_sample_method"] == "probabilistic"
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Count to five."}\n')
+    args = ["eval", str(draft_dir), "--target", str(tiny), "--prompts", str(prompts), "--engine", "reference"]
+    args += ["--k", "2", "--max-new-tokens", "6", "--temperature", "0.5", "baseline=false"]
+    for method in ("greedy", "probabilistic"):
+        out = tmp_path / method
+        assert main([*args, "--out", str(out), "--draft-sample-method", method]) == 0
+        report = json.loads((out / "report.json").read_text())
+        assert report["settings"]["draft_sample_method"] == method
+        assert f"temperature 0.5 (draft_sample_method {method})" in (out / "report.md").read_text()
+        assert f"temperature=0.5 (draft_sample_method {method})" in capsys.readouterr().err

@@ -192,7 +192,7 @@ def _decode(train_dir: Path, data: Path, target: Path, tmp: Path) -> dict:
     draft.logits = observed
     out = {}
     for name, temp in (("greedy", 0.0), ("sampled", 0.3)):
-        dec = SpecDecoder(model, draft, k=3, temperature=temp)
+        dec = SpecDecoder(model, draft, k=3, temperature=temp, draft_sample_method="probabilistic")
         runs = []
         for i, p in enumerate(_prompts(data)):
             seen.clear()
@@ -239,8 +239,8 @@ def test_reference_decoder_batched_equals_one_prompt(two_layers, data, target, t
     assert len({len(p) for p in prompts}) >= 3
     alone, _ = target_generate_batch(model, prompts[:1], 20)
     eos = [alone[0][6]]  # the first prompt stops there; the others may too, or run to the budget
-    for temp in (0.0, 0.3):
-        dec = SpecDecoder(model, draft, k=3, temperature=temp, eos_token_ids=eos)
+    for temp, method in ((0.0, "greedy"), (0.3, "greedy"), (0.3, "probabilistic")):
+        dec = SpecDecoder(model, draft, k=3, temperature=temp, eos_token_ids=eos, draft_sample_method=method)
         with threads(1):
             outs, stats, _ = dec.generate_batch(prompts, 20, seeds=list(range(len(prompts))))
             single = [dec.generate(p, 20, seed=i) for i, p in enumerate(prompts)]

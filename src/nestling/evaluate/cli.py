@@ -33,6 +33,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate per prompt (default 128)")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default); >0 rejection sampling")
+    p.add_argument(
+        "--draft-sample-method",
+        choices=["greedy", "probabilistic"],
+        default=None,
+        help="at temperature > 0, how the draft proposes, as vLLM's speculative_config names it: greedy (default, "
+        "vLLM's default: the draft's argmax, accepted with the target's p) or probabilistic (sampled from the "
+        "draft, accepted with min(1, p/q))",
+    )
     p.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument(
         "--device",
@@ -52,7 +60,16 @@ def _run(args: argparse.Namespace) -> int:
     from nestling.evaluate.run import evaluate
     from nestling.evaluate.settings import EvalSettings
 
-    flags = ("k", "engine", "max_new_tokens", "temperature", "max_prompts", "device", "batch_size")
+    flags = (
+        "k",
+        "engine",
+        "max_new_tokens",
+        "temperature",
+        "draft_sample_method",
+        "max_prompts",
+        "device",
+        "batch_size",
+    )
     s = settings_from_args(EvalSettings, args, flags)
     evaluate(args.draft_dir, args.target, args.prompts, args.out, s)
     print(args.out / "report.md")

@@ -26,10 +26,16 @@ def markdown(report: dict) -> str:
     head = (
         f"# nestling eval\n\ndraft `{report['draft']}` on target `{report['target']}`, k={report['k']}, "
         f"{report['num_prompts']} prompts, {report['max_new_tokens']} new tokens max, "
-        f"temperature {report['temperature']}\n\n"
+        f"temperature {report['temperature']}{_drafting(report)}\n\n"
     )
     notes = [identical_note(name, r) for name, r in report["engines"].items() if r.get("identical_share") is not None]
     return head + "\n".join(rows) + "\n" + "".join(f"\n{n}\n" for n in notes if n)
+
+
+def _drafting(report: dict) -> str:
+    """How the draft proposed at a temperature (greedy: vLLM's default), for the report's head."""
+    method = (report.get("settings") or {}).get("draft_sample_method", "greedy")
+    return f" (draft_sample_method {method})" if report["temperature"] > 0 else ""
 
 
 def identical_note(engine: str, r: dict) -> str:

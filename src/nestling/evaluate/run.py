@@ -48,7 +48,7 @@ def run_reference(
     dtype = getattr(torch, s.dtype)
     draft = load_draft(draft_dir, model, dtype)
     eos = _eos_ids(target, load_tokenizer(target))
-    dec = SpecDecoder(model, draft, s.k, s.temperature, eos, aux_layer_ids)
+    dec = SpecDecoder(model, draft, s.k, s.temperature, eos, aux_layer_ids, s.draft_sample_method)
     total = SpecStats(s.k)
     outs: list[list[int]] = [[] for _ in prompts]
     base_outs: list[list[int]] = [[] for _ in prompts]
@@ -120,6 +120,7 @@ def run_vllm_engine(target: Path, draft_dir: Path, prompts: list[list[int]], s: 
         max(s.max_model_len, need),
         s.seed,
         s.baseline,
+        draft_sample_method=s.draft_sample_method,
     )
     d = res["drafts"][0]
     r = {
@@ -213,7 +214,8 @@ def _evaluate(draft_dir: Path, target_dir: Path, prompts: str | Path, out: Path,
     for note in notes:
         log(f"[eval] {note}")
     s = _engine_this_machine_serves(target_dir, s)
-    log(f"[eval] {len(ids)} prompts, k={s.k}, engine={s.engine}, temperature={s.temperature}")
+    drafting = f" (draft_sample_method {s.draft_sample_method})" if s.temperature > 0 else ""
+    log(f"[eval] {len(ids)} prompts, k={s.k}, engine={s.engine}, temperature={s.temperature}{drafting}")
     engines: dict[str, dict] = {}
     if s.engine in ("reference", "both"):
         engines["reference"] = run_reference(target_dir, draft_dir, ids, s)

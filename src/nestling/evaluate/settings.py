@@ -15,6 +15,10 @@ class EvalSettings:
     engine: Literal["auto", "reference", "vllm", "both"] = "auto"  # auto: vllm where installed, else reference
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0 = greedy
+    # at temperature > 0, how the draft proposes (vLLM's speculative_config.draft_sample_method):
+    # greedy (vLLM's default) drafts its argmax, accepted with the target's p(d); probabilistic samples
+    # the draft and accepts with min(1, p/q) (docs/eval.md, "Two ways to draft at a temperature")
+    draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
     max_prompts: int | None = None
     # auto: bfloat16 on a GPU, float32 on a CPU (fp32: greedy output with and without the draft identical)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -34,6 +38,10 @@ class EvalSettings:
         for name in ("k", "max_new_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise NestlingError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.draft_sample_method not in ("greedy", "probabilistic"):
+            raise NestlingError(
+                f"draft_sample_method must be greedy (vLLM's default) or probabilistic, got {self.draft_sample_method!r}"
+            )
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise NestlingError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.max_prompts is not None and self.max_prompts < 1:

@@ -139,6 +139,9 @@ class BatchTarget:
         self.mask = self.mask[rows]
 
 
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # vLLM's speculative_config.draft_sample_method
+
+
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(logits.float() / temperature, dim=-1)
 
@@ -197,6 +200,11 @@ class _Rows:
 class SpecDecoder:
     """Chain drafting of K tokens per target forward over a batch of prompts; temperature 0 = greedy.
 
+    At temperature > 0 the draft proposes as vLLM's `draft_sample_method` says: "greedy" (vLLM's
+    default) drafts its argmax and verification treats q as one-hot there (accept with p(d)),
+    "probabilistic" samples the draft at the same temperature and accepts with min(1, p/q). Both keep
+    the target's distribution; they differ in how much they accept.
+
     Greedy runs on the device from the first forward to the end of the batch: drafting, verification
     and bookkeeping are tensor operations, and the host reads one flag per round (is every prompt
     done?). Sampling draws each prompt's tokens from its own generator, in the order the one-prompt
@@ -210,7 +218,11 @@ class SpecDecoder:
         temperature: float = 0.0,
         eos_token_ids: list[int] | None = None,
         aux_layer_ids: list[int] | None = None,
+        draft_sample_method: str = "greedy",
     ):
+        if draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(f"draft_sample_method must be one of {DRAFT_SAMPLE_METHODS}, got {draft_sample_method!r}")
+        self.draft_sample_method = draft_sample_method
         self.target_model, self.aux_ids = target_model, aux_layer_ids or draft.config.aux_layer_ids
         BatchTarget(target_model, self.aux_ids)  # fail early on layer ids the target lacks
         self.draft, self.k, self.temperature = draft, k, temperature
@@ -232,12 +244,16 @@ class SpecDecoder:
         hid, pos = h, n - 1
         for j in range(self.k):
             lg = self.draft.logits(hid)[:, -1].float()
-            di = self._pick(lg, gens)
-            if gens is not None:
-                q = torch.zeros(lg.shape[0], self.vocab, device=lg.device)
-                q[:, self.draft_targets.to(lg.device)] = _probs(lg, self.temperature)
-                qs.append(q)
+            probabilistic = gens is not None and self.draft_sample_method == "probabilistic"
+            di = self._pick(lg, gens if probabilistic else None)
             t = self.draft_targets.to(di.device)[di]
+            if gens is not None:  # q over the target vocabulary: the draft's law, or one-hot at its argmax
+                q = torch.zeros(lg.shape[0], self.vocab, device=lg.device)
+                if probabilistic:
+                    q[:, self.draft_targets.to(lg.device)] = _probs(lg, self.temperature)
+                else:
+                    q.scatter_(1, t[:, None], 1.0)
+                qs.append(q)
             drafts.append(t)
             if j < self.k - 1:
                 pos = pos + 1

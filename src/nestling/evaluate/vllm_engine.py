@@ -34,6 +34,7 @@ def run_vllm(
     baseline: bool = True,
     kv_cache_gib: float = 1.0,
     timeout: float = 1800,
+    draft_sample_method: str = "greedy",
 ) -> dict:
     """Run target alone (if `baseline`) and target + each draft: {"baseline": ..., "drafts": [...]}."""
     from nestling.evaluate.vllm_sampling import check_vllm_sampling
@@ -51,6 +52,7 @@ def run_vllm(
         max_model_len=max_model_len,
         seed=seed,
         baseline=baseline,
+        draft_sample_method=draft_sample_method,
         engine_options=engine_options(Path(target), dtype),
     )
     env = dict(os.environ)

@@ -71,6 +71,15 @@ def _generate(llm, prompts: list[list[int]], params, label: str | None = None) -
     return [list(r.outputs[0].token_ids) for r in res], dt
 
 
+def speculative_config(spec: dict, draft: str) -> dict:
+    """vLLM's speculative_config for one draft. draft_sample_method is named only where it is not
+    vLLM's default (greedy), so an engine that predates the option still loads the default."""
+    config = {"method": "eagle3", "model": draft, "num_speculative_tokens": spec["k"]}
+    if spec.get("draft_sample_method", "greedy") != "greedy":
+        config["draft_sample_method"] = spec["draft_sample_method"]
+    return config
+
+
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -103,9 +112,7 @@ def run(spec: dict) -> dict:
     for draft in spec.get("drafts") or [
         spec["draft"]
     ]:  # one engine per draft; the metrics registry is per process: diff it
-        llm = LLM(
-            **common, speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": spec["k"]}
-        )
+        llm = LLM(**common, speculative_config=speculative_config(spec, draft))
         _generate(llm, spec["prompts"][:1], params)
         before = _metrics(llm)
         outs, dt = _generate(llm, spec["prompts"], params, f"with draft, k={spec['k']}")
