@@ -14,6 +14,12 @@ Each runs twice: with the CPU build's `expand_kernel` replacement as shipped, an
 kernel replaced by a correct expansion (`repeat_interleave`). If acceptance is right only in the
 second run, the shipped replacement is the whole cause. Prints JSON.
 
+`--eagle DRAFT --prompts FILE` measures an EAGLE-3 draft in the engine with that one kernel corrected,
+at `--temperature`, with each of vLLM's draft_sample_methods (greedy: the draft's argmax, accepted with
+p; probabilistic: sampled, accepted with min(1, p/q)), each in its own process as below: the per-position
+acceptance and tokens per target forward to set beside nestling's reference decoder on the same prompts
+(`nestling eval --engine reference --temperature T --draft-sample-method M`).
+
 `--engine` confirms it in the engine: vLLM's ngram speculation (K = 3) on SmolLM2-135M-Instruct over
 6 chat prompts, 96 tokens, at temperature 0.7 as shipped and with the corrected kernel, and greedy as
 shipped; each in its own process with the engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the
@@ -143,6 +149,58 @@ def engine_worker(variant: str, temperature: float) -> dict:
     return {"num_drafts": d, "per_position": [x / max(d, 1) for x in m.get("num_accepted_tokens_per_pos", [])]}
 
 
+def eagle_worker(draft: str, prompts: str, method: str, temperature: float, n: int, max_new: int) -> dict:
+    """vLLM with an EAGLE-3 draft on SmolLM2 in this process, the CPU expand corrected."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import vllm.utils.cpu_triton_utils as cpu_tl
+
+    cpu_tl._expand_kernel_impl = correct_expand  # before the worker registers the overrides
+    from pathlib import Path
+
+    from nestling.assets import smollm2_dir
+    from nestling.evaluate.prompts import load_prompts
+    from nestling.evaluate.vllm_engine import summarize_metrics
+    from nestling.evaluate.vllm_worker import run as run_worker
+    from nestling.targets.load import load_tokenizer
+    from nestling.targets.vllm_rules import engine_options
+
+    target = smollm2_dir()
+    ids = load_prompts(prompts, load_tokenizer(target), n)
+    spec = dict(
+        target=str(target), drafts=[draft], k=3, prompts=ids, max_new_tokens=max_new, temperature=temperature,
+        dtype="float32", max_model_len=max(map(len, ids)) + max_new + 8, seed=0, baseline=False,
+        draft_sample_method=method, engine_options=engine_options(Path(target), "float32"),
+    )  # fmt: skip
+    d = run_worker(spec)["drafts"][0]
+    s = summarize_metrics(d["metrics"], 3)
+    return {
+        **s,
+        "tokens": d["tokens"],
+        "tokens_per_forward": d["tokens"] / max(d["tokens"] - s["num_accepted_tokens"], 1),
+    }
+
+
+def eagle_runs(draft: str, prompts: str, temperature: float, n: int, max_new: int) -> dict:
+    out = {}
+    for method in ("greedy", "probabilistic"):
+        cmd = [
+            sys.executable,
+            __file__,
+            "--eagle-worker",
+            draft,
+            prompts,
+            method,
+            str(temperature),
+            str(n),
+            str(max_new),
+        ]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+        out[f"draft_sample_method {method}"] = json.loads(lines[-1]) if lines else {"error": r.stderr[-2000:]}
+    return out
+
+
 def engine_runs(temperature: float) -> dict:
     out = {}
     for variant, t in (("as shipped", temperature), ("corrected", temperature), ("as shipped", 0.0)):
@@ -161,10 +219,25 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engine", action="store_true", help="also vLLM's ngram on SmolLM2, shipped vs corrected")
+    ap.add_argument("--eagle", metavar="DRAFT", help="an exported EAGLE-3 draft of SmolLM2 in the corrected engine")
+    ap.add_argument("--prompts", help="with --eagle: a prompts file (JSONL with 'messages' or 'prompt')")
+    ap.add_argument("--max-prompts", type=int, default=24)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--engine-worker", nargs=2, metavar=("VARIANT", "T"), help=argparse.SUPPRESS)
+    ap.add_argument("--eagle-worker", nargs=6, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.engine_worker:
         print(json.dumps(engine_worker(a.engine_worker[0], float(a.engine_worker[1]))))
+        return
+    if a.eagle_worker:
+        d, p, m, t, n, new = a.eagle_worker
+        print(json.dumps(eagle_worker(d, p, m, float(t), int(n), int(new))))
+        return
+    if a.eagle:
+        if not a.prompts:
+            ap.error("--eagle needs --prompts FILE")
+        res = eagle_runs(a.eagle, a.prompts, a.temperature, a.max_prompts, a.max_new_tokens)
+        print(json.dumps({"draft": a.eagle, "prompts": a.prompts, "temperature": a.temperature, **res}, indent=1))
         return
 
     import vllm
