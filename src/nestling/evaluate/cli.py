@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from nestling.evaluate.settings import DRAFT_SAMPLE_METHODS
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -35,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default); >0 rejection sampling")
     p.add_argument(
         "--draft-sample-method",
-        choices=["greedy", "probabilistic"],
+        choices=DRAFT_SAMPLE_METHODS,
         default=None,
         help="at temperature > 0, how the draft proposes, as vLLM's speculative_config names it: greedy (default, "
         "vLLM's default: the draft's argmax, accepted with the target's p) or probabilistic (sampled from the "

@@ -9,6 +9,9 @@ from typing import Literal
 from nestling.errors import NestlingError
 
 
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # vLLM's speculative_config.draft_sample_method
+
+
 @dataclass
 class EvalSettings:
     k: int = 3  # draft tokens per target forward
@@ -38,7 +41,7 @@ class EvalSettings:
         for name in ("k", "max_new_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise NestlingError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.draft_sample_method not in ("greedy", "probabilistic"):
+        if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
             raise NestlingError(
                 f"draft_sample_method must be greedy (vLLM's default) or probabilistic, got {self.draft_sample_method!r}"
             )

@@ -21,6 +21,7 @@ import torch
 
 from nestling.draft.model import Eagle3Draft, SlotCache
 from nestling.errors import NestlingError
+from nestling.evaluate.settings import DRAFT_SAMPLE_METHODS
 
 
 @dataclass
@@ -137,9 +138,6 @@ class BatchTarget:
         """Keep only `rows` of the batch."""
         self.cache.batch_select_indices(rows)
         self.mask = self.mask[rows]
-
-
-DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # vLLM's speculative_config.draft_sample_method
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
