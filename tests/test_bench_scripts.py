@@ -424,3 +424,11 @@ def test_gpu_recipe_regenerated_answers_go_back_and_are_staged_again(tmp_path):
     assert (back / "regenerate" / "sampled" / "messages.jsonl").read_text() == payload[::-1]
     assert (back / "state" / "regenerate.json").read_text() == '{"status": "complete"}'
     assert (back / ".nestling-stage.json").exists() and (back / "run.json").exists()
+
+
+def test_vllm_cpu_sampling_eagle_needs_prompts():
+    """`vllm_cpu_sampling.py --eagle DRAFT` measures a draft on a prompts file: without one it stops
+    at once with what to give, before vLLM is imported."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "vllm_cpu_sampling.py"), "--eagle", "some-draft"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 2 and "--eagle needs --prompts FILE" in r.stderr
