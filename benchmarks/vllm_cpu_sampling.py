@@ -2,6 +2,7 @@
 
     python benchmarks/vllm_cpu_sampling.py [--vocab 49152] [--requests 256] [--k 3] [--temperature 0.7]
     python benchmarks/vllm_cpu_sampling.py --engine      # also vLLM's ngram on SmolLM2 (minutes on CPU)
+    python benchmarks/vllm_cpu_sampling.py --eagle DRAFT --prompts FILE   # a draft, both draft_sample_methods
 
 No model: vLLM's own rejection-sampling path (`apply_sampling_constraints`, then `rejection_sample`,
 as `RejectionSampler.forward` calls them) on random target logits, with the kernels the CPU platform
@@ -182,6 +183,8 @@ def eagle_worker(draft: str, prompts: str, method: str, temperature: float, n: i
 
 
 def eagle_runs(draft: str, prompts: str, temperature: float, n: int, max_new: int) -> dict:
+    """`eagle_worker` for each draft_sample_method, each in a fresh process (the kernel is replaced
+    before vLLM registers its overrides, once per process)."""
     out = {}
     for method in ("greedy", "probabilistic"):
         cmd = [
