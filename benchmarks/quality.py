@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from nestling.evaluate.settings import DRAFT_SAMPLE_METHODS
+
 BUDGETS = {
     # conversations for training (None = all not held out, capped by the disk budget), training epochs
     "small": {"conversations": 2000, "epochs": 2.0},
@@ -414,7 +416,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--draft-sample-method",
-        choices=["greedy", "probabilistic"],
+        choices=DRAFT_SAMPLE_METHODS,
         default="greedy",
         help="at a temperature, how the draft proposes (vLLM's speculative_config.draft_sample_method): greedy "
         "(vLLM's default) or probabilistic",

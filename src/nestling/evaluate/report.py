@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from nestling.evaluate.settings import drafting_note
 from nestling.manifest import atomic_write_json
 
 
@@ -33,9 +34,10 @@ def markdown(report: dict) -> str:
 
 
 def _drafting(report: dict) -> str:
-    """How the draft proposed at a temperature (greedy: vLLM's default), for the report's head."""
+    """How the draft proposed at a temperature (greedy, vLLM's default, in a report from before the
+    setting), for the report's head."""
     method = (report.get("settings") or {}).get("draft_sample_method", "greedy")
-    return f" (draft_sample_method {method})" if report["temperature"] > 0 else ""
+    return drafting_note(report["temperature"], method)
 
 
 def identical_note(engine: str, r: dict) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 from nestling.config import to_dict
 from nestling import outdir
 from nestling.errors import NestlingError
-from nestling.evaluate.settings import EvalSettings, resolve
+from nestling.evaluate.settings import EvalSettings, drafting_note, resolve
 from nestling.manifest import MANIFEST, write_manifest
 from nestling.progress import Progress, log
 
@@ -214,7 +214,7 @@ def _evaluate(draft_dir: Path, target_dir: Path, prompts: str | Path, out: Path,
     for note in notes:
         log(f"[eval] {note}")
     s = _engine_this_machine_serves(target_dir, s)
-    drafting = f" (draft_sample_method {s.draft_sample_method})" if s.temperature > 0 else ""
+    drafting = drafting_note(s.temperature, s.draft_sample_method)
     log(f"[eval] {len(ids)} prompts, k={s.k}, engine={s.engine}, temperature={s.temperature}{drafting}")
     engines: dict[str, dict] = {}
     if s.engine in ("reference", "both"):

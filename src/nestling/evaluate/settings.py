@@ -12,6 +12,12 @@ from nestling.errors import NestlingError
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")  # vLLM's speculative_config.draft_sample_method
 
 
+def drafting_note(temperature: float, draft_sample_method: str) -> str:
+    """` (draft_sample_method M)` where sampling makes the method matter, else nothing: for the log and
+    the report's head."""
+    return f" (draft_sample_method {draft_sample_method})" if temperature > 0 else ""
+
+
 @dataclass
 class EvalSettings:
     k: int = 3  # draft tokens per target forward

@@ -240,9 +240,9 @@ class SpecDecoder:
         when sampling, each step's draft probabilities over the target vocabulary [B, V]."""
         drafts, qs = [], []
         hid, pos = h, n - 1
+        probabilistic = gens is not None and self.draft_sample_method == "probabilistic"
         for j in range(self.k):
             lg = self.draft.logits(hid)[:, -1].float()
-            probabilistic = gens is not None and self.draft_sample_method == "probabilistic"
             di = self._pick(lg, gens if probabilistic else None)
             t = self.draft_targets.to(di.device)[di]
             if gens is not None:  # q over the target vocabulary: the draft's law, or one-hot at its argmax
