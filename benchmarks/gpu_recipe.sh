@@ -7,7 +7,8 @@
 #   then, with .dev/b and .whl in the checkout: bash benchmarks/gpu_recipe.sh start [KEY=VALUE ...]
 #                (the run in the background; settings after the config, e.g. regenerate.limit=5000 train.steps=1374)
 #                with MIX=N, the input is N ShareGPT conversations plus the maths questions of
-#                $H/stage/maths.jsonl.xz (made by benchmarks/mix_source.py --maths-only, then xz; kept in .dev/a)
+#                $H/stage/maths.jsonl.xz (made by benchmarks/mix_source.py --maths-only, then xz; kept in .dev/a);
+#                with CODE=1 as well, plus the code requests of $H/stage/code.jsonl.xz (mix_source.py --code-only)
 #   optionally, once the data stage is done:    bash benchmarks/gpu_recipe.sh again NAME [KEY=VALUE ...]
 #                (a second run beside the first on the same GPU, reusing its regenerate and data stages:
 #                another training recipe on the same data, e.g. train.ttt_steps=5 eval.k=5); AFTER=eval waits
@@ -41,8 +42,10 @@ start)
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   if [ -n "${MIX:-}" ]; then
     xz -dkf $H/stage/maths.jsonl.xz
+    CODE_FROM=()
+    if [ -n "${CODE:-}" ]; then xz -dkf $H/stage/code.jsonl.xz && CODE_FROM=(--code-from $H/stage/code.jsonl); fi
     (cd $H/repo && PYTHONPATH=/tmp/site:$H/repo/src python3 benchmarks/mix_source.py --out $H/mix.jsonl \
-       --chat "$MIX" --maths-from $H/stage/maths.jsonl)
+       --chat "$MIX" --maths-from $H/stage/maths.jsonl "${CODE_FROM[@]}")
     set -- inputs=$H/mix.jsonl "$@"
   fi
   (cd $H/repo && PYTHONPATH=/tmp/site:$H/repo/src setsid nohup python3 -m nestling run examples/gpu.yaml \
