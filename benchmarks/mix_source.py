@@ -236,7 +236,7 @@ def main() -> None:
         write_jsonl(args.out, maths_questions(args.maths, args.seed))
         return
     if args.code_only:
-        rows = code_questions(args.code, args.seed, exclude=heldout_code_names())
+        rows = code_questions(args.code, args.seed, exclude=frozenset(heldout_code_names()))
         write_jsonl(args.out, rows)
         print(f"[mix] {args.out}: {len(rows)} code requests from {len({r['module'] for r in rows})} modules")
         return
