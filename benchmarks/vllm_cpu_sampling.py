@@ -151,9 +151,8 @@ def engine_worker(variant: str, temperature: float) -> dict:
 
 
 def eagle_worker(draft: str, prompts: str, method: str, temperature: float, n: int, max_new: int) -> dict:
-    """vLLM with an EAGLE-3 draft on SmolLM2 in this process, the CPU expand corrected. Prompts are
-    prefilled whole: a seeded request whose prompt the scheduler prefills in chunks (long chat prompts)
-    stops the CPU build ("CPU Generator does not use offset": it rewinds the generator as on CUDA)."""
+    """vLLM with an EAGLE-3 draft on SmolLM2 in this process, the CPU expand corrected; prompts
+    prefilled whole, as seeded sampling on the CPU build needs (targets/vllm_rules.whole_prefill)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import vllm.utils.cpu_triton_utils as cpu_tl
@@ -166,16 +165,15 @@ def eagle_worker(draft: str, prompts: str, method: str, temperature: float, n: i
     from nestling.evaluate.vllm_engine import summarize_metrics
     from nestling.evaluate.vllm_worker import run as run_worker
     from nestling.targets.load import load_tokenizer
-    from nestling.targets.vllm_rules import engine_options
+    from nestling.targets.vllm_rules import engine_options, whole_prefill
 
     target = smollm2_dir()
     ids = load_prompts(prompts, load_tokenizer(target), n)
     max_len = max(map(len, ids)) + max_new + 8
-    whole = {"max_num_batched_tokens": 8 * max_len}  # every prompt of a batch of 8 prefilled at once
     spec = dict(
         target=str(target), drafts=[draft], k=3, prompts=ids, max_new_tokens=max_new, temperature=temperature,
-        dtype="float32", max_model_len=max_len, seed=0, baseline=False, max_num_seqs=8,
-        draft_sample_method=method, engine_options={**engine_options(Path(target), "float32"), **whole},
+        dtype="float32", max_model_len=max_len, seed=0, baseline=False,
+        draft_sample_method=method, engine_options={**engine_options(Path(target), "float32"), **whole_prefill(max_len)},
     )  # fmt: skip
     d = run_worker(spec)["drafts"][0]
     s = summarize_metrics(d["metrics"], 3)

@@ -236,3 +236,37 @@ def test_openai_server_equals_in_process(uninterrupted, conversations, smollm2_d
         log.close()
     assert m["counts"] == json.loads((uninterrupted / "manifest.json").read_text())["counts"]
     assert _rows(tmp_path / "served") == _rows(uninterrupted)
+
+
+SEEDED_CHUNKED = """
+import json, sys
+from pathlib import Path
+from nestling.regenerate.engine import Request
+from nestling.regenerate.settings import RegenerateSettings
+from nestling.regenerate.vllm_engine import VLLMEngine
+from nestling.targets.tiny import build_tiny_target
+
+if __name__ == "__main__":
+    target = build_tiny_target("llama", Path(sys.argv[1]))
+    # a step budget of 64 tokens: without whole prefill, the 150-token prompt is prefilled in chunks
+    s = RegenerateSettings(engine="vllm", dtype="float32", temperature=0.7, vllm={"max_num_batched_tokens": 64, "enforce_eager": True})
+    engine = VLLMEngine(target, s, 512)
+    out = engine.generate([Request(list(range(5, 155)), 8, 7), Request(list(range(9, 49)), 8, 8)])
+    print("RESULT " + json.dumps([[c.error, c.num_tokens] for c in out]), flush=True)
+    engine.close()
+"""
+
+
+def test_seeded_sampling_on_the_cpu_build_survives_a_long_prompt(tmp_path):
+    """Sampled answers are seeded per request; on vLLM's CPU build a seeded prompt prefilled in chunks
+    killed the engine ("CPU Generator does not use offset") and every conversation failed. The engine
+    now prefills every prompt whole when it samples (targets/vllm_rules.whole_prefill)."""
+    script = tmp_path / "seeded.py"
+    script.write_text(SEEDED_CHUNKED)
+    r = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "tiny")], capture_output=True, text=True, env=_env(), timeout=600
+    )
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    assert json.loads(lines[0][len("RESULT ") :]) == [[None, 8], [None, 8]]
+    assert "'enable_chunked_prefill': False" in r.stderr + r.stdout

@@ -13,7 +13,7 @@ from pathlib import Path
 from nestling.errors import NestlingError
 from nestling.progress import log
 from nestling.regenerate.engine import Completion, Request
-from nestling.targets.vllm_rules import engine_options
+from nestling.targets.vllm_rules import engine_options, whole_prefill
 from nestling.regenerate.settings import RegenerateSettings
 
 
@@ -32,6 +32,8 @@ class VLLMEngine:
         self.s = s
         kw = {"model": str(target), "dtype": s.dtype, "max_model_len": max_model_len, "seed": s.seed, **s.vllm}
         kw.update({k: v for k, v in engine_options(target, s.dtype).items() if k not in kw})
+        if s.temperature > 0:  # sampled requests are seeded
+            kw.update(whole_prefill(max_model_len, kw))
         log(f"[regenerate] starting vLLM: {kw}")
         self.llm = LLM(**kw)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len

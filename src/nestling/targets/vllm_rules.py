@@ -153,6 +153,18 @@ def engine_options(target: Path, dtype: str) -> dict:
     return {"attention_config": {"backend": backend}} if backend else {}
 
 
+def whole_prefill(max_model_len: int, options: dict | None = None) -> dict:
+    """`vllm.LLM` keyword arguments for seeded sampling on vLLM's CPU build ({} on a GPU): every prompt
+    prefilled in one step. A seeded request whose prompt is prefilled in chunks stops the CPU engine:
+    the runner rewinds the request's generator with `set_offset`, which a CPU generator lacks ("CPU
+    Generator does not use offset"), and every request in flight fails with it. `options`: the
+    arguments already chosen (a larger step budget there is kept)."""
+    if torch.cuda.is_available():
+        return {}
+    budget = max(int((options or {}).get("max_num_batched_tokens") or 0), max_model_len)
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": budget}
+
+
 def eagle3_serving_limit(config: dict, dtype: str, on_cpu: bool, amx: bool) -> str | None:
     """Why vLLM cannot run an EAGLE-3 draft beside this target here, or None where it can.
 
