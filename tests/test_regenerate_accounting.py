@@ -210,21 +210,3 @@ def test_chunk_size_auto_is_large_on_a_gpu_and_recorded_resolved(tmp_path, tiny_
     assert again["fingerprint"] == m["fingerprint"]
     with pytest.raises(NestlingError, match="chunk_size at least 0"):
         regenerate(data, target, tmp_path / "out2", RegenerateSettings(engine="hf", chunk_size=-1))
-
-
-def test_whole_prefill_turns_chunking_off_on_a_cpu_only(monkeypatch):
-    """Seeded sampling on vLLM's CPU build: chunked prefill off and a step that holds the longest
-    prompt; a larger step already chosen is kept; on a GPU nothing changes."""
-    import torch
-
-    from nestling.targets.vllm_rules import whole_prefill
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert whole_prefill(512) == {"enable_chunked_prefill": False, "max_num_batched_tokens": 512}
-    assert whole_prefill(512, {"max_num_batched_tokens": 64}) == {
-        "enable_chunked_prefill": False,
-        "max_num_batched_tokens": 512,
-    }
-    assert whole_prefill(512, {"max_num_batched_tokens": 4096})["max_num_batched_tokens"] == 4096
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert whole_prefill(512) == {}

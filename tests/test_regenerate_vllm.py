@@ -270,3 +270,21 @@ def test_seeded_sampling_on_the_cpu_build_survives_a_long_prompt(tmp_path):
     assert r.returncode == 0 and lines, r.stderr[-3000:]
     assert json.loads(lines[0][len("RESULT ") :]) == [[None, 8], [None, 8]]
     assert "'enable_chunked_prefill': False" in r.stderr + r.stdout
+
+
+def test_whole_prefill_turns_chunking_off_on_a_cpu_only(monkeypatch):
+    """Seeded sampling on vLLM's CPU build: chunked prefill off and a step that holds the longest
+    prompt; a larger step already chosen is kept; on a GPU nothing changes."""
+    import torch
+
+    from nestling.targets.vllm_rules import whole_prefill
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert whole_prefill(512) == {"enable_chunked_prefill": False, "max_num_batched_tokens": 512}
+    assert whole_prefill(512, {"max_num_batched_tokens": 64}) == {
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": 512,
+    }
+    assert whole_prefill(512, {"max_num_batched_tokens": 4096})["max_num_batched_tokens"] == 4096
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert whole_prefill(512) == {}
