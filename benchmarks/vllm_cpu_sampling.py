@@ -166,6 +166,7 @@ def eagle_worker(draft: str, prompts: str, method: str, temperature: float, n: i
     from nestling.evaluate.vllm_worker import run as run_worker
     from nestling.targets.load import load_tokenizer
     from nestling.targets.vllm_rules import engine_options, whole_prefill
+    from quality import per_forward  # this script's folder: the quality benchmark's one count
 
     target = smollm2_dir()
     ids = load_prompts(prompts, load_tokenizer(target), n)
@@ -176,19 +177,17 @@ def eagle_worker(draft: str, prompts: str, method: str, temperature: float, n: i
         draft_sample_method=method, engine_options={**engine_options(Path(target), "float32"), **whole_prefill(max_len)},
     )  # fmt: skip
     d = run_worker(spec)["drafts"][0]
-    s = summarize_metrics(d["metrics"], 3)
-    return {
-        **s,
-        "tokens": d["tokens"],
-        "tokens_per_forward": d["tokens"] / max(d["tokens"] - s["num_accepted_tokens"], 1),
-    }
+    r = {**summarize_metrics(d["metrics"], 3), "tokens": d["tokens"]}
+    return {**r, "tokens_per_forward": per_forward(r)}
 
 
 def eagle_runs(draft: str, prompts: str, temperature: float, n: int, max_new: int) -> dict:
     """`eagle_worker` for each draft_sample_method, each in a fresh process (the kernel is replaced
     before vLLM registers its overrides, once per process)."""
+    from nestling.evaluate.settings import DRAFT_SAMPLE_METHODS
+
     out = {}
-    for method in ("greedy", "probabilistic"):
+    for method in DRAFT_SAMPLE_METHODS:
         cmd = [
             sys.executable,
             __file__,
