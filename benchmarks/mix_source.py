@@ -5,10 +5,12 @@ questions and code requests built from documented Python functions.
     python benchmarks/mix_source.py --maths-only --out maths.jsonl   (in the maths environment)
     python benchmarks/mix_source.py --code-only --out code.jsonl [--code 5000]
     python benchmarks/mix_source.py --out mix.jsonl --maths-from maths.jsonl [--code-from code.jsonl]
+    python benchmarks/mix_source.py --out more.jsonl --chat-start 5000 --chat 6000 --maths 0
 
 Chat: the first `--chat` ShareGPT conversations of the package index's file, less every conversation
 that shares a part or a prompt with the quality benchmark's held-out chat prompts (quality.py's
-`split_sharegpt`), so `benchmarks/quality.py --domains chat` stays unseen. Maths: questions from
+`split_sharegpt`), so `benchmarks/quality.py --domains chat` stays unseen; `--chat-start S` skips the
+first S of them, so a later slice adds conversations no earlier mix of S holds (`--maths 0`: chat alone). Maths: questions from
 DeepMind's mathematics_dataset generator (`pip install mathematics-dataset==1.0.1`, on the package
 index; it needs sympy < 1.6, older than torch's, so it runs in an environment of its own named by
 `--maths-python`), round-robin over its training modules at every difficulty, seeded; its short reference answer
@@ -220,7 +222,10 @@ def main() -> None:
     ap.add_argument(
         "--chat", type=int, default=5000, help="ShareGPT conversations (the first N, held-out parts left out)"
     )
-    ap.add_argument("--maths", type=int, default=10000, help="generated maths questions")
+    ap.add_argument(
+        "--chat-start", type=int, default=0, help="skip the first S of those conversations (a slice after a mix of S)"
+    )
+    ap.add_argument("--maths", type=int, default=10000, help="generated maths questions (0: none)")
     ap.add_argument("--heldout", type=int, default=100, help="as quality.py's --heldout")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--maths-python", default=sys.executable, help="a Python with mathematics-dataset and sympy<1.6")
@@ -240,15 +245,17 @@ def main() -> None:
         write_jsonl(args.out, rows)
         print(f"[mix] {args.out}: {len(rows)} code requests from {len({r['module'] for r in rows})} modules")
         return
-    if not args.maths_from:
-        args.maths_from = args.out.with_name(args.out.stem + "-maths.jsonl")
-        cmd = [args.maths_python, __file__, "--maths-only", "--out", str(args.maths_from)]
-        subprocess.run(cmd + ["--maths", str(args.maths), "--seed", str(args.seed)], check=True)
-    maths = [json.loads(line) for line in args.maths_from.read_text().splitlines() if line.strip()]
+    maths: list[dict] = []
+    if args.maths:
+        if not args.maths_from:
+            args.maths_from = args.out.with_name(args.out.stem + "-maths.jsonl")
+            cmd = [args.maths_python, __file__, "--maths-only", "--out", str(args.maths_from)]
+            subprocess.run(cmd + ["--maths", str(args.maths), "--seed", str(args.seed)], check=True)
+        maths = [json.loads(line) for line in args.maths_from.read_text().splitlines() if line.strip()]
     from quality import split_sharegpt
 
     train, _, n = split_sharegpt(args.out.parent / (args.out.stem + "-split"), args.heldout, None)
-    chat = json.loads(train.read_text())[: args.chat]
+    chat = json.loads(train.read_text())[args.chat_start : args.chat_start + args.chat]
     code = (
         [json.loads(line) for line in args.code_from.read_text().splitlines() if line.strip()] if args.code_from else []
     )
