@@ -13,9 +13,12 @@ problems and `maths` = the 270 CHAMP competition problems, both from the package
 (nestling.evaluate.domains), never trained on. Each prompt is one user turn rendered with the target's
 chat template. Each domain gets its own rows (and its own folder under OUT, chat at the top).
 
-Reported: acceptance length (mean tokens per target forward = 1 + accepted / drafts) at each K, greedy,
-from the reference decoder and vLLM, and vLLM's own ngram speculation on the same prompts (the bar:
-about 2.65 at K = 3 for SmolLM2 on chat prompts); plus the wall time of each pipeline stage.
+Reported at each K, greedy, from the reference decoder and vLLM, and vLLM's own ngram speculation on the
+same prompts: tokens per target forward (tokens / target forwards, every decode step counted, the
+forwards counted per prompt as the engine generates: docs/eval.md, "Counting target forwards"), vLLM's
+acceptance length (1 + accepted / drafts, over the steps that drafted) and, for one release, the figure
+read off the counters as before, tokens / (tokens - accepted), which counts drafts accepted past the end
+of an answer as emitted; plus the wall time of each pipeline stage.
 Prints a Markdown table and writes OUT/quality.json. A benchmark, not a test: the lead runs the budgets.
 """
 
@@ -130,10 +133,11 @@ def split_sharegpt(
 
 
 def ngram_worker(spec_path: str, result_path: str) -> None:
-    """Subprocess: vLLM's ngram speculation over the prompts; writes spec-decode counters."""
+    """Subprocess: vLLM's ngram speculation over the prompts; writes its spec-decode counters and the
+    target forwards counted per prompt."""
     from vllm import LLM, SamplingParams
 
-    from nestling.evaluate.vllm_worker import _generate, _metrics
+    from nestling.evaluate.vllm_worker import as_result, measured
 
     spec = json.loads(Path(spec_path).read_text())
     llm = LLM(
@@ -151,16 +155,8 @@ def ngram_worker(spec_path: str, result_path: str) -> None:
         },
     )
     params = SamplingParams(max_tokens=spec["max_new_tokens"], temperature=0.0)
-    before = _metrics(llm)
-    outs, dt = _generate(llm, spec["prompts"], params)
-    after = _metrics(llm)
-    diff = {
-        k: (
-            [a - b for a, b in zip(v, before.get(k, [0.0] * len(v)))] if isinstance(v, list) else v - before.get(k, 0.0)
-        )
-        for k, v in after.items()
-    }
-    Path(result_path).write_text(json.dumps({"metrics": diff, "seconds": dt, "tokens": sum(map(len, outs))}))
+    g, metrics = measured(llm, spec["prompts"], params)
+    Path(result_path).write_text(json.dumps({**as_result(g), "metrics": metrics}))
 
 
 def run_ngram(
@@ -173,7 +169,7 @@ def run_ngram(
     lookup_max: int,
     lookup_min: int,
 ) -> dict:
-    from nestling.evaluate.vllm_engine import summarize_metrics
+    from nestling.evaluate.vllm_engine import summarize_run
 
     spec, res = work / f"ngram-k{k}.spec.json", work / f"ngram-k{k}.json"
     spec.write_text(
@@ -199,7 +195,7 @@ def run_ngram(
         raise SystemExit(f"vLLM ngram run failed:\n{proc.stderr[-4000:]}")
     r = json.loads(res.read_text())
     return {
-        **summarize_metrics(r["metrics"], k),
+        **summarize_run(r, k),
         "seconds": r["seconds"],
         "tokens": r["tokens"],
         "tokens_per_s": r["tokens"] / max(r["seconds"], 1e-9),
@@ -215,8 +211,17 @@ def temperature_suffix(t: float, draft_sample_method: str = "greedy") -> str:
 
 
 def per_forward(r: dict) -> float | None:
-    """Tokens per target forward over *all* steps. vLLM's acceptance length (1 + accepted / drafts)
-    counts only steps that drafted; ngram drafts only when the context repeats, so both are shown."""
+    """Tokens per target forward over *all* steps, from the forwards each engine counted per prompt.
+    vLLM's acceptance length (1 + accepted / drafts) counts only steps that drafted; ngram drafts only
+    when the context repeats, so both are shown."""
+    return r.get("mean_tokens_per_target_forward")
+
+
+def per_forward_from_counters(r: dict) -> float | None:
+    """The figure as read off the spec-decode counters before forwards were counted, tokens / (tokens -
+    accepted): too high, since a draft token accepted past max_tokens or an end of answer counts as
+    accepted but is never emitted. Kept beside `per_forward` for one release, to compare with results
+    measured that way."""
     tokens, accepted = r.get("tokens"), r.get("num_accepted_tokens")
     if not tokens or accepted is None:
         return None
@@ -275,12 +280,14 @@ def measure(
                     "draft_sample_method": args.draft_sample_method,
                     "acceptance_length": r["acceptance_length"],
                     "tokens_per_forward": per_forward(r),
+                    "tokens_per_forward_from_counters": per_forward_from_counters(r),
                     "per_position": r["per_position"],
                     "tokens_per_s": r.get("tokens_per_s"),
                     "speedup": r.get("speedup"),
                     "num_drafts": r.get("num_drafts"),
                     "num_accepted_tokens": r.get("num_accepted_tokens"),
                     "tokens": r.get("tokens"),
+                    "target_forwards": r.get("target_forwards"),
                     "draftable_share": r.get("draftable_share"),
                 }
             )
@@ -298,9 +305,13 @@ def measure(
                     "k": k,
                     "acceptance_length": r["acceptance_length"],
                     "tokens_per_forward": per_forward(r),
+                    "tokens_per_forward_from_counters": per_forward_from_counters(r),
                     "per_position": r["per_position"],
                     "tokens_per_s": r["tokens_per_s"],
                     "speedup": None,
+                    "num_accepted_tokens": r["num_accepted_tokens"],
+                    "tokens": r["tokens"],
+                    "target_forwards": r["target_forwards"],
                 }
             )
     return rows, stage_s
@@ -361,13 +372,18 @@ def evaluate_draft(args, draft: Path, target: str, prompts_path: Path, out: Path
 
 def print_rows(title: str, rows: list[dict], stage_s: dict) -> None:
     print(f"\n## quality: {title}\n")
-    print("| domain | method | engine | K | acceptance length | tokens/forward | per position | tok/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| domain | method | engine | K | acceptance length | tokens/forward | tokens/forward from counters | "
+        "per position | tok/s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        tpf = f"{r['tokens_per_forward']:.3f}" if r.get("tokens_per_forward") else "-"
+        tpf, old = (
+            f"{r[key]:.3f}" if r.get(key) else "-" for key in ("tokens_per_forward", "tokens_per_forward_from_counters")
+        )
         print(
-            f"| {r.get('domain', 'chat')} | {r['method']} | {r['engine']} | {r['k']} | {r['acceptance_length']:.3f} | {tpf} | "
-            f"{', '.join(f'{p:.2f}' for p in r['per_position'])} | {r.get('tokens_per_s') or 0:.1f} |"
+            f"| {r.get('domain', 'chat')} | {r['method']} | {r['engine']} | {r['k']} | {r['acceptance_length']:.3f} | "
+            f"{tpf} | {old} | {', '.join(f'{p:.2f}' for p in r['per_position'])} | {r.get('tokens_per_s') or 0:.1f} |"
         )
     print("\n| stage | wall time (s) |\n|---|---|")
     for s, v in stage_s.items():

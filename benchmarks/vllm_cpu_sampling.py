@@ -162,11 +162,11 @@ def eagle_worker(draft: str, prompts: str, method: str, temperature: float, n: i
 
     from nestling.assets import smollm2_dir
     from nestling.evaluate.prompts import load_prompts
-    from nestling.evaluate.vllm_engine import summarize_metrics
+    from nestling.evaluate.vllm_engine import summarize_run
     from nestling.evaluate.vllm_worker import run as run_worker
     from nestling.targets.load import load_tokenizer
     from nestling.targets.vllm_rules import engine_options, whole_prefill
-    from quality import per_forward  # this script's folder: the quality benchmark's one count
+    from quality import per_forward, per_forward_from_counters  # this script's folder: the benchmark's counts
 
     target = smollm2_dir()
     ids = load_prompts(prompts, load_tokenizer(target), n)
@@ -177,8 +177,8 @@ def eagle_worker(draft: str, prompts: str, method: str, temperature: float, n: i
         draft_sample_method=method, engine_options={**engine_options(Path(target), "float32"), **whole_prefill(max_len)},
     )  # fmt: skip
     d = run_worker(spec)["drafts"][0]
-    r = {**summarize_metrics(d["metrics"], 3), "tokens": d["tokens"]}
-    return {**r, "tokens_per_forward": per_forward(r)}
+    r = {**summarize_run(d, 3), "tokens": d["tokens"], "target_forwards": d["target_forwards"]}
+    return {**r, "tokens_per_forward": per_forward(r), "tokens_per_forward_from_counters": per_forward_from_counters(r)}
 
 
 def eagle_runs(draft: str, prompts: str, temperature: float, n: int, max_new: int) -> dict:

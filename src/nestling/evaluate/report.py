@@ -10,16 +10,18 @@ from nestling.manifest import atomic_write_json
 
 def markdown(report: dict) -> str:
     rows = [
-        "| engine | acceptance length | "
+        "| engine | acceptance length | tokens per target forward | "
         + " | ".join(f"pos {i + 1}" for i in range(report["k"]))
         + " | tok/s draft | tok/s target alone | speedup | greedy identical | in draft vocabulary |",
-        "|---|---|" + "---|" * report["k"] + "---|---|---|---|---|",
+        "|---|---|---|" + "---|" * report["k"] + "---|---|---|---|---|",
     ]
     for name, r in report["engines"].items():
         pos = " | ".join(f"{p:.3f}" for p in r["per_position"])
         same, inside = r.get("identical_share"), r.get("draftable_share")
+        per_forward = r.get("mean_tokens_per_target_forward")  # absent from vLLM reports before it was counted
         rows.append(
-            f"| {name} | {r['acceptance_length']:.3f} | {pos} | {r['tokens_per_s']:.1f} | "
+            f"| {name} | {r['acceptance_length']:.3f} | {'-' if per_forward is None else f'{per_forward:.3f}'} | "
+            f"{pos} | {r['tokens_per_s']:.1f} | "
             f"{r.get('baseline_tokens_per_s', float('nan')):.1f} | {r.get('speedup', float('nan')):.2f} | "
             f"{'-' if same is None else f'{100 * same:.0f}%'} | "
             f"{'-' if inside is None else f'{100 * inside:.1f}%'} |"

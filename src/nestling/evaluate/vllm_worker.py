@@ -4,15 +4,18 @@ vLLM spawns worker processes and keeps global state (Prometheus registry, distri
 the engine never runs inside the caller. The spec holds token ids already rendered with the
 chat template, so the reference decoder and vLLM see the very same prompts.
 One process runs the target alone (baseline) and then target + each draft in turn (startup is
-the cost, so tests share one process); the spec-decode counters come from `LLM.get_metrics()`.
+the cost, so tests share one process); the spec-decode counters come from `LLM.get_metrics()`, the
+target forwards are counted per prompt while the engine generates (`generate_counted`).
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import sys
 import time
+from dataclasses import dataclass
 
 
 def _metrics(llm) -> dict:
@@ -62,13 +65,57 @@ def line_progress(label: str):
     return LineTqdm
 
 
-def _generate(llm, prompts: list[list[int]], params, label: str | None = None) -> tuple[list[list[int]], float]:
+@dataclass
+class Generation:
+    """What one pass over the prompts gave: each prompt's tokens, the target forwards that emitted them,
+    and the wall time."""
+
+    outputs: list[list[int]]
+    forwards: list[int]
+    seconds: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(map(len, self.outputs))
+
+
+_request_ids = itertools.count()
+
+
+def generate_counted(llm, prompts: list[list[int]], params, label: str | None = None) -> Generation:
+    """`LLM.generate` with the target forwards counted per prompt: the engine is stepped here with delta
+    outputs, and each step that brings a prompt new tokens is one target forward for it (vLLM's engine
+    core runs one forward per step and its output processor passes that forward's tokens on at once;
+    a prefill chunk that emits nothing counts none). vLLM's counters cannot give this: a draft token
+    accepted past max_tokens or an end of answer counts as accepted but is never emitted."""
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    interval = getattr(engine.vllm_config.scheduler_config, "stream_interval", 1)
+    if interval != 1:  # the output processor would merge the tokens of several forwards into one output
+        raise RuntimeError(f"stream_interval {interval}: target forwards can be counted only at 1")
+    delta = params.clone()
+    delta.output_kind = RequestOutputKind.DELTA
     t0 = time.perf_counter()
-    res = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=line_progress(label) if label else False
-    )
-    dt = time.perf_counter() - t0
-    return [list(r.outputs[0].token_ids) for r in res], dt
+    index = {f"nestling-{next(_request_ids)}": i for i in range(len(prompts))}  # outputs carry these ids
+    for request_id, i in index.items():
+        engine.add_request(request_id, {"prompt_token_ids": prompts[i]}, delta)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    forwards = [0] * len(prompts)
+    bar = line_progress(label)(total=len(prompts), postfix="") if label else None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            i = index[out.request_id]
+            new = out.outputs[0].token_ids
+            forwards[i] += bool(new)
+            outputs[i].extend(new)
+            if out.finished and bar is not None:
+                speed = sum(map(len, outputs)) / (time.perf_counter() - t0)
+                bar.postfix = f"est. speed output: {speed:.2f} toks/s"  # no redraw here: update() prints it
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    return Generation(outputs, forwards, time.perf_counter() - t0)
 
 
 def speculative_config(spec: dict, draft: str) -> dict:
@@ -103,34 +150,44 @@ def run(spec: dict) -> dict:
     result: dict = {}
     if spec.get("baseline", True):
         llm = LLM(**common)
-        _generate(llm, spec["prompts"][:1], params)  # warm-up: first call compiles / allocates
-        outs, dt = _generate(llm, spec["prompts"], params, "target alone")
-        result["baseline"] = {"outputs": outs, "seconds": dt, "tokens": sum(map(len, outs))}
+        generate_counted(llm, spec["prompts"][:1], params)  # warm-up: first call compiles / allocates
+        g = generate_counted(llm, spec["prompts"], params, "target alone")
+        result["baseline"] = {"outputs": g.outputs, "seconds": g.seconds, "tokens": g.tokens}
         del llm
         gc.collect()
     result["drafts"] = []
-    for draft in spec.get("drafts") or [
-        spec["draft"]
-    ]:  # one engine per draft; the metrics registry is per process: diff it
+    for draft in spec.get("drafts") or [spec["draft"]]:  # one engine per draft
         llm = LLM(**common, speculative_config=speculative_config(spec, draft))
-        _generate(llm, spec["prompts"][:1], params)
-        before = _metrics(llm)
-        outs, dt = _generate(llm, spec["prompts"], params, f"with draft, k={spec['k']}")
-        after = _metrics(llm)
-        diff = {
-            k: (
-                [a - b for a, b in zip(v, before.get(k, [0.0] * len(v)))]
-                if isinstance(v, list)
-                else v - before.get(k, 0.0)
-            )
-            for k, v in after.items()
-        }
-        result["drafts"].append(
-            {"draft": draft, "outputs": outs, "seconds": dt, "tokens": sum(map(len, outs)), "metrics": diff}
-        )
+        generate_counted(llm, spec["prompts"][:1], params)
+        g, metrics = measured(llm, spec["prompts"], params, f"with draft, k={spec['k']}")
+        result["drafts"].append({"draft": draft, **as_result(g), "metrics": metrics})
         del llm
         gc.collect()
     return result
+
+
+def measured(llm, prompts: list[list[int]], params, label: str | None = None) -> tuple[Generation, dict]:
+    """`generate_counted` and vLLM's spec-decode counters of that pass alone (the metrics registry is
+    per process and counts the warm-up too: read before and after, and diffed)."""
+    before = _metrics(llm)
+    g = generate_counted(llm, prompts, params, label)
+    after = _metrics(llm)
+    diff = {
+        k: [a - b for a, b in zip(v, before.get(k, [0.0] * len(v)))] if isinstance(v, list) else v - before.get(k, 0.0)
+        for k, v in after.items()
+    }
+    return g, diff
+
+
+def as_result(g: Generation) -> dict:
+    """A pass as the result file holds it: outputs, target forwards per prompt and in all, seconds, tokens."""
+    return {
+        "outputs": g.outputs,
+        "forwards": g.forwards,
+        "target_forwards": sum(g.forwards),
+        "seconds": g.seconds,
+        "tokens": g.tokens,
+    }
 
 
 if __name__ == "__main__":
