@@ -95,6 +95,28 @@ def test_mix_is_chat_outside_the_held_out_prompts_then_maths_then_code(tmp_path)
     assert asked and not asked & user
 
 
+@pytest.mark.slow
+def test_a_later_chat_slice_adds_the_conversations_after_the_first_mix(tmp_path):
+    """`--chat-start S --chat N --maths 0` (gpu_recipe.sh grow's new conversations): the N conversations
+    that follow a mix of S, no maths, none of the first S."""
+
+    def mix(name: str, *args: str) -> list[dict]:
+        out = tmp_path / f"{name}.jsonl"
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "mix_source.py"), "--out", str(out), "--maths", "0"]
+        r = subprocess.run(cmd + list(args), capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return [json.loads(line) for line in out.read_text().splitlines()]
+
+    first, later, both = (
+        mix("first", "--chat", "30"),
+        mix("later", "--chat-start", "30", "--chat", "12"),
+        mix("both", "--chat", "42"),
+    )
+    assert len(first) == 30 and len(later) == 12
+    assert later == both[30:] and not {c["id"] for c in first} & {c["id"] for c in later}
+    assert not [c for c in later if "module" in c]  # chat only: maths and code rows name their module
+
+
 def _module(name: str, source: str) -> types.ModuleType:
     """A module made from `source` in a real file (inspect.getsource needs one)."""
     import importlib.util
