@@ -20,9 +20,14 @@
 #                them in .dev/c); a later run on a fresh host, after `stage`, with .dev/c in the checkout, runs
 #                bash benchmarks/gpu_recipe.sh stageregen, then `start` with the same MIX and regenerate
 #                settings skips regeneration (the run's log says "regenerate: complete ... skipped")
+#   more conversations on top of a kept run:     MIX=N MORE=M bash benchmarks/gpu_recipe.sh grow [KEY=VALUE ...]
+#                (after `stage` and `stageregen`: the target answers the M ShareGPT conversations after the
+#                kept run's first N in a run of their own, $RUN-more, then a run in $RUN-grow trains on
+#                all four answer sets; `packregen more` keeps the new answers, `stageregen more` brings
+#                them back from .dev/c/regen-more.tar.xz.*, and `grow` then skips their regeneration)
 #   then, as often as needed:                    bash benchmarks/gpu_recipe.sh wait [NAME]
 #                until it says done; results go to $OUT, the draft as draft.tar.* parts (cat, untar,
-#                measure with benchmarks/quality.py --draft); NAME: the `again` run's instead
+#                measure with benchmarks/quality.py --draft); NAME: the `again` (or `grow`) run's instead
 set -euo pipefail
 H=${GPU_HOME:-/root}
 RUN=$H/gpu-run
