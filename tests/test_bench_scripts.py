@@ -6,6 +6,7 @@ script's home is redirected to an empty folder, as a fresh machine's would be.""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -388,12 +389,14 @@ def test_quality_benchmark_measures_a_draft_at_a_temperature(tmp_path, tiny_targ
     assert report["settings"]["draft_sample_method"] == "probabilistic"
 
 
-def test_gpu_recipe_regenerated_answers_go_back_and_are_staged_again(tmp_path):
-    """`packregen` returns a finished regenerate stage (folder, state, run marks) as xz parts;
-    `stageregen` on a fresh home puts it back where `nestling run` finds it complete; an unfinished
-    stage is not packed."""
+@pytest.mark.parametrize("name", ["", "more"])
+def test_gpu_recipe_regenerated_answers_go_back_and_are_staged_again(tmp_path, name):
+    """`packregen [NAME]` returns a finished regenerate stage (folder, state, run marks) of the run (of
+    `grow`'s run of new conversations with NAME more) as xz parts; `stageregen [NAME]` on a fresh home
+    puts it back where `nestling run` finds it complete; an unfinished stage is not packed."""
     home, fresh, out = tmp_path / "home", tmp_path / "fresh", tmp_path / "out"
-    run = home / "gpu-run"
+    suffix, named = (f"-{name}", [name]) if name else ("", [])
+    run = home / f"gpu-run{suffix}"
     (run / "state").mkdir(parents=True)
     (run / "regenerate" / "sampled").mkdir(parents=True)
     payload = os.urandom(3000).hex()
@@ -405,25 +408,71 @@ def test_gpu_recipe_regenerated_answers_go_back_and_are_staged_again(tmp_path):
     script = ["bash", str(ROOT / "benchmarks" / "gpu_recipe.sh")]
     env = {**os.environ, "GPU_HOME": str(home), "OUT": str(out)}
     (run / "state" / "regenerate.json").write_text('{"status": "running"}')
-    r = subprocess.run(script + ["packregen"], cwd=ROOT, env=env, capture_output=True, text=True)
+    r = subprocess.run(script + ["packregen", *named], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 3 and "no finished regenerate stage" in r.stderr and not list(out.iterdir())
     (run / "state" / "regenerate.json").write_text('{"status": "complete"}')
-    r = subprocess.run(script + ["packregen"], cwd=ROOT, env=env, capture_output=True, text=True)
+    r = subprocess.run(script + ["packregen", *named], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     parts = sorted(out.iterdir())
-    assert [p.name for p in parts] == ["regen.tar.xz.00"]
+    assert [p.name for p in parts] == [f"regen{suffix}.tar.xz.00"]
     work = tmp_path / "checkout"
     (work / ".dev" / "c").mkdir(parents=True)
     for p in parts:
         (work / ".dev" / "c" / p.name).write_bytes(p.read_bytes())
     env = {**os.environ, "GPU_HOME": str(fresh), "OUT": str(out)}
-    r = subprocess.run(script + ["stageregen"], cwd=work, env=env, capture_output=True, text=True)
+    r = subprocess.run(script + ["stageregen", *named], cwd=work, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    back = fresh / "gpu-run"
+    back = fresh / f"gpu-run{suffix}"
     assert (back / "regenerate" / "messages.jsonl").read_text() == payload
     assert (back / "regenerate" / "sampled" / "messages.jsonl").read_text() == payload[::-1]
     assert (back / "state" / "regenerate.json").read_text() == '{"status": "complete"}'
     assert (back / ".nestling-stage.json").exists() and (back / "run.json").exists()
+
+
+def test_gpu_recipe_grow_answers_the_new_conversations_then_trains_on_all_four_answer_sets(tmp_path):
+    """`MIX=N MORE=M gpu_recipe.sh grow KEY=VALUE`: refused without a staged regeneration; else it makes
+    the M conversations after the first N, regenerates them in a run of their own (up to regenerate),
+    then trains in a run of its own on the kept and the new answers, greedy and sampled, without
+    regenerating, with the settings given; `wait grow` follows that whole script."""
+    home, work = tmp_path / "home", tmp_path / "checkout"
+    run = home / "gpu-run"
+    (run / "state").mkdir(parents=True)
+    (home / "stage").mkdir()
+    (home / "stage" / "gguf.a").write_bytes(b"a" * 10)
+    b = work / ".dev" / "b"
+    b.mkdir(parents=True)
+    (b / "gguf.b").write_bytes(b"b" * 10)
+    (b / "gguf.md5").write_text(hashlib.md5(b"a" * 10 + b"b" * 10).hexdigest())
+    (b / "sharegpt.whl").write_bytes(b"wheel")
+    for folder in (".whl", "src", "examples", "benchmarks"):
+        (work / folder).mkdir()
+    bin_dir = _fake_python(tmp_path)
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho a GPU\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "GPU_HOME": str(home), "OUT": str(tmp_path / "out"), "WAIT_SECONDS": "20"}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", MIX="5000", MORE="6000")
+    (tmp_path / "out").mkdir()
+    cmd = ["bash", str(ROOT / "benchmarks" / "gpu_recipe.sh"), "grow", "train.steps=2500"]
+    r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
+    assert r.returncode == 3 and "run stageregen first" in r.stderr and not (tmp_path / "calls").exists()
+    (run / "state" / "regenerate.json").write_text('{"status": "complete"}')
+    r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "[gpu] done" in r.stdout
+    for _ in range(100):  # under load the script may start after `wait` looked
+        calls = (tmp_path / "calls").read_text().splitlines()
+        if len(calls) == 4:
+            break
+        time.sleep(0.1)
+    regen, more = run / "regenerate", home / "gpu-run-more" / "regenerate"
+    answers = [regen / "messages.jsonl", regen / "sampled" / "messages.jsonl"]
+    answers += [more / "messages.jsonl", more / "sampled" / "messages.jsonl"]
+    assert calls[1:] == [
+        f"benchmarks/mix_source.py --out {home}/more.jsonl --chat-start 5000 --chat 6000 --maths 0",
+        f"-m nestling run examples/gpu.yaml run_dir={run}-more inputs={home}/more.jsonl --until regenerate",
+        f"-m nestling run examples/gpu.yaml run_dir={run}-grow regenerate=false inputs={','.join(map(str, answers))}"
+        " train.steps=2500",
+    ]
 
 
 def test_vllm_cpu_sampling_eagle_needs_prompts():
