@@ -16,12 +16,12 @@ kernel replaced by a correct expansion (`repeat_interleave`). If acceptance is r
 second run, the shipped replacement is the whole cause. Prints JSON.
 
 `--eagle DRAFT --prompts FILE` measures an EAGLE-3 draft in the engine with that one kernel corrected,
-at `--temperature`, with each of vLLM's draft_sample_methods (greedy: the draft's argmax, accepted with
+at `--temperature` and `--k`, with each of vLLM's draft_sample_methods (greedy: the draft's argmax, accepted with
 p; probabilistic: sampled, accepted with min(1, p/q)), each in its own process as below: the per-position
 acceptance and tokens per target forward to set beside nestling's reference decoder on the same prompts
 (`nestling eval --engine reference --temperature T --draft-sample-method M`).
 
-`--engine` confirms it in the engine: vLLM's ngram speculation (K = 3) on SmolLM2-135M-Instruct over
+`--engine` confirms it in the engine: vLLM's ngram speculation (K = `--k`) on SmolLM2-135M-Instruct over
 6 chat prompts, 96 tokens, at temperature 0.7 as shipped and with the corrected kernel, and greedy as
 shipped; each in its own process with the engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the
 replaced `_expand_kernel_impl` is the one the CPU platform registers.
@@ -106,8 +106,8 @@ def run(vocab: int, n: int, k: int, temperature: float, seed: int) -> dict:
     return res
 
 
-def engine_worker(variant: str, temperature: float) -> dict:
-    """vLLM's ngram on SmolLM2 in this process; `variant` "corrected" replaces the CPU expand first."""
+def engine_worker(variant: str, temperature: float, k: int) -> dict:
+    """vLLM's ngram (K = k) on SmolLM2 in this process; `variant` "corrected" replaces the CPU expand first."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if variant == "corrected":
@@ -130,7 +130,7 @@ def engine_worker(variant: str, temperature: float) -> dict:
         disable_log_stats=False,
         speculative_config={
             "method": "ngram",
-            "num_speculative_tokens": 3,
+            "num_speculative_tokens": k,
             "prompt_lookup_max": 5,
             "prompt_lookup_min": 2,
         },
@@ -150,8 +150,8 @@ def engine_worker(variant: str, temperature: float) -> dict:
     return {"num_drafts": d, "per_position": [x / max(d, 1) for x in m.get("num_accepted_tokens_per_pos", [])]}
 
 
-def eagle_worker(draft: str, prompts: str, method: str, temperature: float, n: int, max_new: int) -> dict:
-    """vLLM with an EAGLE-3 draft on SmolLM2 in this process, the CPU expand corrected; prompts
+def eagle_worker(draft: str, prompts: str, method: str, temperature: float, n: int, max_new: int, k: int) -> dict:
+    """vLLM with an EAGLE-3 draft (K = k) on SmolLM2 in this process, the CPU expand corrected; prompts
     prefilled whole, as seeded sampling on the CPU build needs (targets/vllm_rules.whole_prefill)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -172,16 +172,16 @@ def eagle_worker(draft: str, prompts: str, method: str, temperature: float, n: i
     ids = load_prompts(prompts, load_tokenizer(target), n)
     max_len = max(map(len, ids)) + max_new + 8
     spec = dict(
-        target=str(target), drafts=[draft], k=3, prompts=ids, max_new_tokens=max_new, temperature=temperature,
+        target=str(target), drafts=[draft], k=k, prompts=ids, max_new_tokens=max_new, temperature=temperature,
         dtype="float32", max_model_len=max_len, seed=0, baseline=False,
         draft_sample_method=method, engine_options={**engine_options(Path(target), "float32"), **whole_prefill(max_len)},
     )  # fmt: skip
     d = run_worker(spec)["drafts"][0]
-    r = {**summarize_run(d, 3), "tokens": d["tokens"], "target_forwards": d["target_forwards"]}
+    r = {**summarize_run(d, k), "k": k, "tokens": d["tokens"], "target_forwards": d["target_forwards"]}
     return {**r, "tokens_per_forward": per_forward(r), "tokens_per_forward_from_counters": per_forward_from_counters(r)}
 
 
-def eagle_runs(draft: str, prompts: str, temperature: float, n: int, max_new: int) -> dict:
+def eagle_runs(draft: str, prompts: str, temperature: float, n: int, max_new: int, k: int) -> dict:
     """`eagle_worker` for each draft_sample_method, each in a fresh process (the kernel is replaced
     before vLLM registers its overrides, once per process)."""
     from nestling.evaluate.settings import DRAFT_SAMPLE_METHODS
@@ -198,6 +198,7 @@ def eagle_runs(draft: str, prompts: str, temperature: float, n: int, max_new: in
             str(temperature),
             str(n),
             str(max_new),
+            str(k),
         ]
         r = subprocess.run(cmd, capture_output=True, text=True)
         lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
@@ -205,10 +206,10 @@ def eagle_runs(draft: str, prompts: str, temperature: float, n: int, max_new: in
     return out
 
 
-def engine_runs(temperature: float) -> dict:
+def engine_runs(temperature: float, k: int) -> dict:
     out = {}
     for variant, t in (("as shipped", temperature), ("corrected", temperature), ("as shipped", 0.0)):
-        cmd = [sys.executable, __file__, "--engine-worker", variant, str(t)]
+        cmd = [sys.executable, __file__, "--engine-worker", variant, str(t), str(k)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
         out[f"{variant}, temperature {t}"] = json.loads(lines[-1]) if lines else {"error": r.stderr[-2000:]}
@@ -219,7 +220,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--k", type=int, default=3, help="draft tokens per step, in every mode")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engine", action="store_true", help="also vLLM's ngram on SmolLM2, shipped vs corrected")
@@ -227,21 +228,23 @@ def main() -> None:
     ap.add_argument("--prompts", help="with --eagle: a prompts file (JSONL with 'messages' or 'prompt')")
     ap.add_argument("--max-prompts", type=int, default=24)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--engine-worker", nargs=2, metavar=("VARIANT", "T"), help=argparse.SUPPRESS)
-    ap.add_argument("--eagle-worker", nargs=6, help=argparse.SUPPRESS)
+    ap.add_argument("--engine-worker", nargs=3, metavar=("VARIANT", "T", "K"), help=argparse.SUPPRESS)
+    ap.add_argument("--eagle-worker", nargs=7, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.engine_worker:
-        print(json.dumps(engine_worker(a.engine_worker[0], float(a.engine_worker[1]))))
+        variant, t, k = a.engine_worker
+        print(json.dumps(engine_worker(variant, float(t), int(k))))
         return
     if a.eagle_worker:
-        d, p, m, t, n, new = a.eagle_worker
-        print(json.dumps(eagle_worker(d, p, m, float(t), int(n), int(new))))
+        d, p, m, t, n, new, k = a.eagle_worker
+        print(json.dumps(eagle_worker(d, p, m, float(t), int(n), int(new), int(k))))
         return
     if a.eagle:
         if not a.prompts:
             ap.error("--eagle needs --prompts FILE")
-        res = eagle_runs(a.eagle, a.prompts, a.temperature, a.max_prompts, a.max_new_tokens)
-        print(json.dumps({"draft": a.eagle, "prompts": a.prompts, "temperature": a.temperature, **res}, indent=1))
+        res = eagle_runs(a.eagle, a.prompts, a.temperature, a.max_prompts, a.max_new_tokens, a.k)
+        report = {"draft": a.eagle, "prompts": a.prompts, "temperature": a.temperature, "k": a.k, **res}
+        print(json.dumps(report, indent=1))
         return
 
     import vllm
@@ -254,7 +257,7 @@ def main() -> None:
     register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": correct_expand})
     report["expand_kernel corrected"] = run(a.vocab, a.requests, a.k, a.temperature, a.seed)
     if a.engine:
-        report["engine: ngram on SmolLM2, K = 3"] = engine_runs(a.temperature)
+        report[f"engine: ngram on SmolLM2, K = {a.k}"] = engine_runs(a.temperature, a.k)
     print(json.dumps(report, indent=1))
 
 

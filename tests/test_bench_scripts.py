@@ -481,3 +481,23 @@ def test_vllm_cpu_sampling_eagle_needs_prompts():
     cmd = [sys.executable, str(ROOT / "benchmarks" / "vllm_cpu_sampling.py"), "--eagle", "some-draft"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 2 and "--eagle needs --prompts FILE" in r.stderr
+
+
+def test_vllm_cpu_sampling_eagle_drafts_the_k_asked_for(monkeypatch):
+    """`--eagle DRAFT --k 5`: each draft-sample-method worker is started with K = 5 (it drafted 3
+    whatever --k said), and the report keeps each worker's own answer under its method."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import vllm_cpu_sampling
+
+    started: list[list[str]] = []
+
+    def worker(cmd, **_):
+        started.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout=f'log line\n{{"method": "{cmd[5]}"}}\n', stderr="")
+
+    monkeypatch.setattr(vllm_cpu_sampling.subprocess, "run", worker)
+    out = vllm_cpu_sampling.eagle_runs("d", "p.jsonl", 0.7, 24, 256, 5)
+    assert [c[2:] for c in started] == [
+        ["--eagle-worker", "d", "p.jsonl", m, "0.7", "24", "256", "5"] for m in ("greedy", "probabilistic")
+    ]
+    assert out == {f"draft_sample_method {m}": {"method": m} for m in ("greedy", "probabilistic")}
