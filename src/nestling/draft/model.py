@@ -90,7 +90,7 @@ class DraftConfig:
         # MLA targets (DeepSeek-V3) have no plain head_dim; the draft is a Llama layer regardless.
         if getattr(cfg, "qk_rope_head_dim", None) is not None or head_dim * heads < cfg.hidden_size // 4:
             head_dim = cfg.hidden_size // heads
-        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        rope = full_attention_rope(dict(getattr(cfg, "rope_parameters", None) or {}))
         if not rope:
             rope = {"rope_type": "default", "rope_theta": float(getattr(cfg, "rope_theta", 10000.0))}
         if rope.get("rope_type") not in ("default", "llama3", "linear", "dynamic", "yarn", None):
@@ -108,7 +108,9 @@ class DraftConfig:
             rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
             rope_parameters=rope,
             max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 4096)),
-            hidden_act=getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", "silu"),
+            # the draft is a Llama layer whatever the target: vLLM's EAGLE-3 Llama layer runs SiLU only
+            # ("Unsupported activation" for Gemma's gelu_pytorch_tanh), and no target weight enters its MLP
+            hidden_act="silu",
             target_model_type=getattr(cfg, "model_type", "llama"),
             **kw,
         )
@@ -172,6 +174,15 @@ class DraftConfig:
             max_position_embeddings=self.max_position_embeddings,
             hidden_act=self.hidden_act,
         )
+
+
+def full_attention_rope(rope: dict) -> dict:
+    """A target's rope parameters as one flat dict. Targets with sliding-window and full attention layers
+    (Gemma-3) key them by layer type, each with its own theta; the draft attends over the whole context,
+    as the full-attention layers do, so it takes theirs. A flat dict is returned as it is."""
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        return dict(rope.get("full_attention") or next(iter(rope.values())))
+    return dict(rope)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False) -> torch.Tensor:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from nestling.draft.model import NORM_OPTIONS, DraftConfig
+from nestling.draft.model import NORM_OPTIONS, DraftConfig, full_attention_rope
 from nestling.errors import NestlingError
 from nestling.targets.layers import sglang_layer_ids, vllm_layer_ids
 
@@ -198,7 +198,7 @@ def check_tensors(tensors: dict[str, torch.Tensor], c: DraftConfig, dtype: torch
 
 def native_config(c: DraftConfig, target_config: dict, dtype: str) -> dict:
     """config.json of the native EAGLE-3 folder (what vLLM and SGLang read)."""
-    rope = target_config.get("rope_parameters") or dict(c.rope_parameters)
+    rope = full_attention_rope(target_config.get("rope_parameters") or {}) or dict(c.rope_parameters)
     rope_theta = target_config.get("rope_theta", rope.get("rope_theta", 10000.0))
     rope_scaling = target_config.get("rope_scaling")
     if rope_scaling is None and rope.get("rope_type", "default") != "default":
