@@ -207,6 +207,7 @@ def _engine_this_machine_serves(target_dir: Path, s: EvalSettings) -> EvalSettin
 def _evaluate(draft_dir: Path, target_dir: Path, prompts: str | Path, out: Path, s: EvalSettings) -> dict:
     from nestling.evaluate.prompts import fit_context, load_prompts
     from nestling.evaluate.report import write_report
+    from nestling.evaluate.vllm_engine import CannotServe
     from nestling.targets.load import load_config, load_tokenizer, target_fingerprint
 
     tok = load_tokenizer(target_dir)
@@ -223,7 +224,11 @@ def _evaluate(draft_dir: Path, target_dir: Path, prompts: str | Path, out: Path,
     if s.engine in ("reference", "both"):
         engines["reference"] = run_reference(target_dir, draft_dir, ids, s)
     if s.engine in ("vllm", "both"):
-        engines["vllm"] = run_vllm_engine(target_dir, draft_dir, ids, s)
+        try:
+            engines["vllm"] = run_vllm_engine(target_dir, draft_dir, ids, s)
+        except CannotServe as e:  # vLLM said so before loading anything: measure the draft all the same
+            log(f"[eval] the reference decoder measures this draft instead of vLLM: {e}")
+            engines.setdefault("reference", run_reference(target_dir, draft_dir, ids, s))
     for name, r in engines.items():
         r["draftable_share"] = draftable_share(draft_dir, r["outputs"])
         if not r.get("num_drafts"):

