@@ -22,9 +22,11 @@
 #                settings skips regeneration (the run's log says "regenerate: complete ... skipped")
 #   more conversations on top of a kept run:     MIX=N MORE=M bash benchmarks/gpu_recipe.sh grow [KEY=VALUE ...]
 #                (after `stage` and `stageregen`: the target answers the M ShareGPT conversations after the
-#                kept run's first N in a run of their own, $RUN-more, then a run in $RUN-grow trains on
-#                all four answer sets; `packregen more` keeps the new answers, `stageregen more` brings
-#                them back from .dev/c/regen-more.tar.xz.*, and `grow` then skips their regeneration)
+#                first N in a run of their own, $RUN-$SET (SET=more unless given), then a run in $RUN-grow
+#                trains on the kept answers, those of each staged set named in EXTRA and the new ones;
+#                `packregen more` keeps the new answers, `stageregen more` brings them back from
+#                .dev/c/regen-more.tar.xz.*; a further slice: stageregen, stageregen more, then
+#                MIX=N+M MORE=K SET=more2 EXTRA=more ... grow)
 #   then, as often as needed:                    bash benchmarks/gpu_recipe.sh wait [NAME]
 #                until it says done; results go to $OUT, the draft as draft.tar.* parts (cat, untar,
 #                measure with benchmarks/quality.py --draft); NAME: the `again` (or `grow`) run's instead
@@ -63,17 +65,25 @@ start)
   "$0" wait ;;
 grow)
   shift
+  SET=${SET:-more}
   complete regenerate || { echo "[gpu] no staged regenerate stage in $RUN: run stageregen first" >&2; exit 3; }
+  for e in ${EXTRA:-}; do
+    grep -q '"status": "complete"' $RUN-$e/state/regenerate.json 2>/dev/null \
+      || { echo "[gpu] no staged regenerate stage in $RUN-$e: run stageregen $e first" >&2; exit 3; }
+  done
   prepare
-  (cd $H/repo && PYTHONPATH=/tmp/site:$H/repo/src python3 benchmarks/mix_source.py --out $H/more.jsonl \
-     --chat-start "${MIX:?MIX=N: the chat conversations of the staged run}" --chat "${MORE:?MORE=N: conversations to add}" --maths 0)
-  R=$RUN/regenerate M=$RUN-more/regenerate
-  # the new conversations' answers (a run of their own, up to regenerate), then a run on all four answer sets
+  (cd $H/repo && PYTHONPATH=/tmp/site:$H/repo/src python3 benchmarks/mix_source.py --out $H/$SET.jsonl \
+     --chat-start "${MIX:?MIX=N: the chat conversations the staged answers hold}" \
+     --chat "${MORE:?MORE=N: conversations to add}" --maths 0)
+  ANSWERS=""  # greedy and sampled answers of the staged run, of each EXTRA set, and of the new set
+  for d in $RUN $(for e in ${EXTRA:-} $SET; do echo $RUN-$e; done); do
+    ANSWERS="$ANSWERS${ANSWERS:+,}$d/regenerate/messages.jsonl,$d/regenerate/sampled/messages.jsonl"
+  done
+  # the new conversations' answers (a run of their own, up to regenerate), then a run on every answer set
   cat > $RUN-grow.sh <<EOF
 cd $H/repo && export PYTHONPATH=/tmp/site:$H/repo/src
-python3 -m nestling run examples/gpu.yaml run_dir=$RUN-more inputs=$H/more.jsonl --until regenerate || exit 1
-python3 -m nestling run examples/gpu.yaml run_dir=$RUN-grow regenerate=false \\
-  inputs=$R/messages.jsonl,$R/sampled/messages.jsonl,$M/messages.jsonl,$M/sampled/messages.jsonl $*
+python3 -m nestling run examples/gpu.yaml run_dir=$RUN-$SET inputs=$H/$SET.jsonl --until regenerate || exit 1
+python3 -m nestling run examples/gpu.yaml run_dir=$RUN-grow regenerate=false inputs=$ANSWERS $*
 EOF
   (setsid nohup bash $RUN-grow.sh > $RUN-grow.log 2>&1 &)
   "$0" wait grow ;;

@@ -433,7 +433,8 @@ def test_gpu_recipe_grow_answers_the_new_conversations_then_trains_on_all_four_a
     """`MIX=N MORE=M gpu_recipe.sh grow KEY=VALUE`: refused without a staged regeneration; else it makes
     the M conversations after the first N, regenerates them in a run of their own (up to regenerate),
     then trains in a run of its own on the kept and the new answers, greedy and sampled, without
-    regenerating, with the settings given; `wait grow` follows that whole script."""
+    regenerating, with the settings given; `wait grow` follows that whole script. With `SET=more2
+    EXTRA=more` a further slice reads the staged `more` answers too, and is refused until they are staged."""
     home, work = tmp_path / "home", tmp_path / "checkout"
     run = home / "gpu-run"
     (run / "state").mkdir(parents=True)
@@ -470,6 +471,28 @@ def test_gpu_recipe_grow_answers_the_new_conversations_then_trains_on_all_four_a
     assert calls[1:] == [
         f"benchmarks/mix_source.py --out {home}/more.jsonl --chat-start 5000 --chat 6000 --maths 0",
         f"-m nestling run examples/gpu.yaml run_dir={run}-more inputs={home}/more.jsonl --until regenerate",
+        f"-m nestling run examples/gpu.yaml run_dir={run}-grow regenerate=false inputs={','.join(map(str, answers))}"
+        " train.steps=2500",
+    ]
+    # a further slice on top of the kept one: refused until that set is staged too, then read beside it
+    (tmp_path / "calls").unlink()
+    env.update(MIX="11000", MORE="6445", SET="more2", EXTRA="more")
+    r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
+    assert r.returncode == 3 and "run stageregen more first" in r.stderr and not (tmp_path / "calls").exists()
+    (home / "gpu-run-more" / "state").mkdir(parents=True)
+    (home / "gpu-run-more" / "state" / "regenerate.json").write_text('{"status": "complete"}')
+    r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    for _ in range(100):
+        calls = (tmp_path / "calls").read_text().splitlines()
+        if len(calls) == 4:
+            break
+        time.sleep(0.1)
+    more2 = home / "gpu-run-more2" / "regenerate"
+    answers += [more2 / "messages.jsonl", more2 / "sampled" / "messages.jsonl"]
+    assert calls[1:] == [
+        f"benchmarks/mix_source.py --out {home}/more2.jsonl --chat-start 11000 --chat 6445 --maths 0",
+        f"-m nestling run examples/gpu.yaml run_dir={run}-more2 inputs={home}/more2.jsonl --until regenerate",
         f"-m nestling run examples/gpu.yaml run_dir={run}-grow regenerate=false inputs={','.join(map(str, answers))}"
         " train.steps=2500",
     ]
