@@ -139,15 +139,14 @@ def eagle3_unsupported(target: str) -> str | None:
         from vllm.model_executor.models.interfaces import supports_eagle3
 
         archs = json.loads((Path(target) / "config.json").read_text()).get("architectures") or []
-        classes = [(a, ModelRegistry._try_load_model_cls(a)) for a in archs]
+        classes = [c for c in map(ModelRegistry._try_load_model_cls, archs) if c is not None]
     except Exception:  # noqa: BLE001 -- a registry or config this code cannot read: vLLM decides at load
         return None
-    found = [(a, c) for a, c in classes if c is not None]
-    if not found or any(supports_eagle3(c) for _, c in found):
+    if not classes or any(supports_eagle3(c) for c in classes):
         return None
     import vllm
 
-    names = ", ".join(c.__name__ for _, c in found)
+    names = ", ".join(c.__name__ for c in classes)
     return f"vLLM {vllm.__version__}'s {names} does not implement SupportsEagle3: it cannot serve an EAGLE-3 draft"
 
 
