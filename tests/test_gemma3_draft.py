@@ -47,6 +47,7 @@ def _vllm_serves_eagle3_beside(arch: str) -> bool:
     return out.strip().splitlines()[-1] == "True"
 
 
+@pytest.mark.vllm
 def test_eval_in_vllm_beside_a_target_vllm_cannot_serve_measures_with_the_reference_decoder(
     tiny_target, tmp_path, capsys
 ):
