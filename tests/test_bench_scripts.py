@@ -454,56 +454,41 @@ def test_gpu_recipe_grow_answers_the_new_conversations_then_trains_on_all_four_a
     env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", MIX="5000", MORE="6000")
     (tmp_path / "out").mkdir()
     cmd = ["bash", str(ROOT / "benchmarks" / "gpu_recipe.sh"), "grow", "train.steps=2500"]
+
+    def grow() -> list[str]:
+        """The calls a `grow` that starts makes: the slice, its regeneration, the run on every answer set."""
+        (tmp_path / "calls").unlink(missing_ok=True)
+        r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert "[gpu] done" in r.stdout
+        for _ in range(100):  # under load the script may start after `wait` looked
+            calls = (tmp_path / "calls").read_text().splitlines()
+            if len(calls) == 4:
+                break
+            time.sleep(0.1)
+        return calls[1:]
+
+    def expected(name: str, start: int, n: int, sets: list[Path]) -> list[str]:
+        inputs = ",".join(f"{d}/regenerate/messages.jsonl,{d}/regenerate/sampled/messages.jsonl" for d in sets)
+        return [
+            f"benchmarks/mix_source.py --out {home}/{name}.jsonl --chat-start {start} --chat {n} --maths 0",
+            f"-m nestling run examples/gpu.yaml run_dir={run}-{name} inputs={home}/{name}.jsonl --until regenerate",
+            f"-m nestling run examples/gpu.yaml run_dir={run}-grow regenerate=false inputs={inputs} train.steps=2500",
+        ]
+
     r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
     assert r.returncode == 3 and "run stageregen first" in r.stderr and not (tmp_path / "calls").exists()
     (run / "state" / "regenerate.json").write_text('{"status": "complete"}')
-    r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert "[gpu] done" in r.stdout
-    for _ in range(100):  # under load the script may start after `wait` looked
-        calls = (tmp_path / "calls").read_text().splitlines()
-        if len(calls) == 4:
-            break
-        time.sleep(0.1)
-    regen, more = run / "regenerate", home / "gpu-run-more" / "regenerate"
-    answers = [regen / "messages.jsonl", regen / "sampled" / "messages.jsonl"]
-    answers += [more / "messages.jsonl", more / "sampled" / "messages.jsonl"]
-    assert calls[1:] == [
-        f"benchmarks/mix_source.py --out {home}/more.jsonl --chat-start 5000 --chat 6000 --maths 0",
-        f"-m nestling run examples/gpu.yaml run_dir={run}-more inputs={home}/more.jsonl --until regenerate",
-        f"-m nestling run examples/gpu.yaml run_dir={run}-grow regenerate=false inputs={','.join(map(str, answers))}"
-        " train.steps=2500",
-    ]
+    more = home / "gpu-run-more"
+    assert grow() == expected("more", 5000, 6000, [run, more])
     # a further slice on top of the kept one: refused until that set is staged too, then read beside it
-    (tmp_path / "calls").unlink()
     env.update(MIX="11000", MORE="6445", SET="more2", EXTRA="more")
+    (tmp_path / "calls").unlink()
     r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
     assert r.returncode == 3 and "run stageregen more first" in r.stderr and not (tmp_path / "calls").exists()
-    (home / "gpu-run-more" / "state").mkdir(parents=True)
-    (home / "gpu-run-more" / "state" / "regenerate.json").write_text('{"status": "complete"}')
-    r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    for _ in range(100):
-        calls = (tmp_path / "calls").read_text().splitlines()
-        if len(calls) == 4:
-            break
-        time.sleep(0.1)
-    more2 = home / "gpu-run-more2" / "regenerate"
-    answers += [more2 / "messages.jsonl", more2 / "sampled" / "messages.jsonl"]
-    assert calls[1:] == [
-        f"benchmarks/mix_source.py --out {home}/more2.jsonl --chat-start 11000 --chat 6445 --maths 0",
-        f"-m nestling run examples/gpu.yaml run_dir={run}-more2 inputs={home}/more2.jsonl --until regenerate",
-        f"-m nestling run examples/gpu.yaml run_dir={run}-grow regenerate=false inputs={','.join(map(str, answers))}"
-        " train.steps=2500",
-    ]
-
-
-def test_vllm_cpu_sampling_eagle_needs_prompts():
-    """`vllm_cpu_sampling.py --eagle DRAFT` measures a draft on a prompts file: without one it stops
-    at once with what to give, before vLLM is imported."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "vllm_cpu_sampling.py"), "--eagle", "some-draft"]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 2 and "--eagle needs --prompts FILE" in r.stderr
+    (more / "state").mkdir(parents=True)
+    (more / "state" / "regenerate.json").write_text('{"status": "complete"}')
+    assert grow() == expected("more2", 11000, 6445, [run, more, home / "gpu-run-more2"])
 
 
 def test_vllm_cpu_sampling_eagle_drafts_the_k_asked_for(monkeypatch):
