@@ -48,8 +48,9 @@ def _vllm_serves_eagle3_beside(arch: str) -> bool:
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("engine", ["vllm", "both"])
 def test_eval_in_vllm_beside_a_target_vllm_cannot_serve_measures_with_the_reference_decoder(
-    tiny_target, tmp_path, capsys
+    tiny_target, tmp_path, capsys, engine
 ):
     from nestling.evaluate.run import evaluate
     from nestling.evaluate.settings import EvalSettings
@@ -62,7 +63,7 @@ def test_eval_in_vllm_beside_a_target_vllm_cannot_serve_measures_with_the_refere
     draft = export(make_train_dir(new_draft(target, AUX), tmp_path / "t"), tmp_path / "d", ExportSettings())
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Count to five."}\n{"prompt": "Say hello."}\n')
-    s = EvalSettings(max_new_tokens=6, k=2, engine="vllm", dtype="float32", baseline=False)
+    s = EvalSettings(max_new_tokens=6, k=2, engine=engine, dtype="float32", baseline=False)
     report = evaluate(draft, target, prompts, tmp_path / "e", s)
     assert list(report["engines"]) == ["reference"] and report["num_prompts"] == 2
     assert report["engines"]["reference"]["tokens"] > 0

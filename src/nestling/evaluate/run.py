@@ -228,7 +228,8 @@ def _evaluate(draft_dir: Path, target_dir: Path, prompts: str | Path, out: Path,
             engines["vllm"] = run_vllm_engine(target_dir, draft_dir, ids, s)
         except CannotServe as e:  # vLLM said so before loading anything: measure the draft all the same
             log(f"[eval] the reference decoder measures this draft instead of vLLM: {e}")
-            engines.setdefault("reference", run_reference(target_dir, draft_dir, ids, s))
+            if "reference" not in engines:  # engine both: measured already
+                engines["reference"] = run_reference(target_dir, draft_dir, ids, s)
     for name, r in engines.items():
         r["draftable_share"] = draftable_share(draft_dir, r["outputs"])
         if not r.get("num_drafts"):
