@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The shipped GPU recipe (examples/gpu.yaml) end to end on one GPU host without network; the run goes on
 # in the background and `wait` reports on it; each stage's time comes from `nestling run`'s own log.
-#   the assets (the host has no network), made on a machine with the asset cache by
-#                bash benchmarks/h200_curve.sh pack: the SmolLM2 GGUF in two halves (.dev/a/gguf.a, .dev/b/gguf.b
-#                and its md5), the ShareGPT wheel (.dev/b), the gguf wheel (.whl); maths and code inputs in .dev/a
-#   .dev/a kept in $H/stage:                     bash benchmarks/gpu_recipe.sh stage
+#   the inputs the run reads from the checkout, written from nestling's asset cache by
+#                bash benchmarks/h200_curve.sh pack: the SmolLM2 GGUF as two parts with its md5 (.dev/a/gguf.a,
+#                .dev/b/gguf.b), the ShareGPT wheel (.dev/b), the gguf wheel (.whl); maths and code inputs in .dev/a
+#   .dev/a copied to $H/stage:                   bash benchmarks/gpu_recipe.sh stage
 #   the run, reading .dev/b and .whl:           bash benchmarks/gpu_recipe.sh start [KEY=VALUE ...]
 #                (the run in the background; settings after the config, e.g. regenerate.limit=5000 train.steps=1374)
 #                with MIX=N, the input is N ShareGPT conversations plus the maths questions of
@@ -34,7 +34,7 @@ set -euo pipefail
 H=${GPU_HOME:-/root}
 RUN=$H/gpu-run
 export PYTHONUNBUFFERED=1 NESTLING_CACHE=$H/nestling-cache
-complete() { grep -q '"status": "complete"' $RUN/state/$1.json 2>/dev/null; }  # a finished stage of the run
+complete() { grep -q '"status": "complete"' ${2:-$RUN}/state/$1.json 2>/dev/null; }  # a finished stage of the run (or of $2)
 prepare() {  # the target and ShareGPT where nestling's cache looks, the gguf reader, a copy of the code
   [ -e $H/stage/gguf.a ] || { echo "[gpu] $H/stage/gguf.a is missing: a fresh machine; run \`stage\` first" >&2; exit 3; }
   mkdir -p $NESTLING_CACHE/assets $NESTLING_CACHE/dist $RUN
@@ -68,8 +68,7 @@ grow)
   SET=${SET:-more}
   complete regenerate || { echo "[gpu] no staged regenerate stage in $RUN: run stageregen first" >&2; exit 3; }
   for e in ${EXTRA:-}; do
-    grep -q '"status": "complete"' $RUN-$e/state/regenerate.json 2>/dev/null \
-      || { echo "[gpu] no staged regenerate stage in $RUN-$e: run stageregen $e first" >&2; exit 3; }
+    complete regenerate $RUN-$e || { echo "[gpu] no staged regenerate stage in $RUN-$e: run stageregen $e first" >&2; exit 3; }
   done
   prepare
   (cd $H/repo && PYTHONPATH=/tmp/site:$H/repo/src python3 benchmarks/mix_source.py --out $H/$SET.jsonl \
