@@ -302,7 +302,10 @@ def test_small_plan_store_and_memory_by_hand(tmp_path):
         head_dim=16,
         intermediate_size=128,
     )
-    p = plan(write_config(tmp_path, cfg), PlanSettings(tokens=1000, gpus=2, gpu_memory="16GB", disk="300KB"))
+    p = plan(
+        write_config(tmp_path, cfg),
+        PlanSettings(vllm_check=False, tokens=1000, gpus=2, gpu_memory="16GB", disk="300KB"),
+    )
     assert p["layer_ids"] == [1, 2, 4]  # default aux [2, L//2, L-3] = {2, 1} + final 4
     # bf16: 3 slots x 64 x 2 B + int32 id + uint8 mask; float8: 3 x 64 x 1 B + 3 float32 scales + 5
     assert p["store"]["bfloat16"]["bytes_per_token"] == 3 * 64 * 2 + 5 == 389
@@ -353,7 +356,7 @@ def test_kimi_k25_on_8x96gb_with_4tb_captures_with_vllm_tp8(tmp_path):
     """The project's real job: Kimi-K2.5 (W4A16), 8 x 96 GB, 4 TB, 100M tokens: vLLM holds the INT4
     experts packed, TP 8, the float8 store; the numbers computed by hand from the shapes."""
     hand = kimi_by_hand()
-    s = PlanSettings(tokens=100_000_000, gpus=8, gpu_memory="96GB", disk="4TB")
+    s = PlanSettings(vllm_check=False, tokens=100_000_000, gpus=8, gpu_memory="96GB", disk="4TB")
     p = plan(write_config(tmp_path, KIMI_K25) / "config.json", s)
     assert p["target"]["params_total"] == hand["params"]
     assert p["target"]["weight_bytes"] == hand["stored"]
@@ -400,7 +403,7 @@ def test_kimi_k25_on_8x96gb_with_4tb_captures_with_vllm_tp8(tmp_path):
 def test_kimi_k25_with_the_hf_backend(tmp_path):
     """backend=hf prices transformers' way: the INT4 experts dequantized at load (1.9 TiB), which 8 x 96 GB
     cannot hold; 16 GPUs of 192 GB can (device_map: one GPU computes at a time)."""
-    s = PlanSettings(tokens=100_000_000, gpus=8, gpu_memory="96GB", disk="4TB", backend="hf")
+    s = PlanSettings(vllm_check=False, tokens=100_000_000, gpus=8, gpu_memory="96GB", disk="4TB", backend="hf")
     p = plan(write_config(tmp_path, KIMI_K25), s)
     t = p["target_memory"]
     assert t["backend"] == "hf" and t["backend_why"] == "backend=hf (the setting)"
@@ -413,7 +416,7 @@ def test_kimi_k25_with_the_hf_backend(tmp_path):
     # 16 GPUs of 192 GB hold the dequantized target; with 8 TB the bf16 store fits and is preferred
     p16 = plan(
         write_config(tmp_path, KIMI_K25, "k16"),
-        PlanSettings(tokens=100_000_000, gpus=16, gpu_memory="192GB", disk="8TB", backend="hf"),
+        PlanSettings(vllm_check=False, tokens=100_000_000, gpus=16, gpu_memory="192GB", disk="8TB", backend="hf"),
     )
     assert p16["target_memory"]["tp"] == 16
     assert (
@@ -433,7 +436,7 @@ def test_hf_tensor_parallel_where_transformers_splits_the_target(tmp_path):
     plan captures with TP 16, every GPU computing: 16x the device_map rate."""
     p = plan(
         write_config(tmp_path, DEEPSEEK_V3),
-        PlanSettings(tokens=100_000_000, gpus=16, gpu_memory="192GB", disk="8TB", backend="hf"),
+        PlanSettings(vllm_check=False, tokens=100_000_000, gpus=16, gpu_memory="192GB", disk="8TB", backend="hf"),
     )
     t = p["target_memory"]
     assert (t["backend"], t["hf_split"], t["tp"], t["busy_gpus"]) == ("hf", "tensor_parallel", 16, 16)
@@ -443,7 +446,7 @@ def test_hf_tensor_parallel_where_transformers_splits_the_target(tmp_path):
     # 24 GPUs: the degrees are powers of two that divide 24, so TP 8 (every 8 of them), not a crash
     p24 = plan(
         write_config(tmp_path, DEEPSEEK_V3, "ds24"),
-        PlanSettings(tokens=100_000_000, gpus=24, gpu_memory="192GB", disk="8TB", backend="hf"),
+        PlanSettings(vllm_check=False, tokens=100_000_000, gpus=24, gpu_memory="192GB", disk="8TB", backend="hf"),
     )
     t = p24["target_memory"]
     assert (t["hf_split"], t["tp"], t["busy_gpus"]) == ("tensor_parallel", 8, 8)
@@ -465,26 +468,30 @@ def test_rates_scale_from_the_measured_llama8b(tmp_path):
         head_dim=128,
         intermediate_size=14336,
     )
-    p = plan(write_config(tmp_path, llama8b), PlanSettings(tokens=10**6, ttt_steps=7))
+    p = plan(write_config(tmp_path, llama8b), PlanSettings(vllm_check=False, tokens=10**6, ttt_steps=7))
     assert p["draft"]["trainable_params"] == train["runs"][0]["trainable_params"]
     assert p["time"]["capture"]["tokens_per_s_per_gpu"] == pytest.approx(
         cap["capture_tok_s"], rel=1e-4
     )  # it counted norms too
     k7 = next(r for r in train["runs"] if r["K"] == 7)
     assert p["time"]["train"]["tokens_per_s_per_gpu"] == pytest.approx(k7["tokens_per_s"], rel=0.03)
-    dsv3 = plan(write_config(tmp_path, DEEPSEEK_V3, "dsv3"), PlanSettings(tokens=10**6))
+    dsv3 = plan(write_config(tmp_path, DEEPSEEK_V3, "dsv3"), PlanSettings(vllm_check=False, tokens=10**6))
     ratio = dsv3["target"]["flops_per_token"] / p["target"]["flops_per_token"]
     assert dsv3["time"]["capture"]["tokens_per_s_per_gpu"] == pytest.approx(
         cap["capture_tok_s"] / ratio * 0.5, rel=1e-4
     )
-    dense_rate = plan(write_config(tmp_path, DEEPSEEK_V3, "dsv3b"), PlanSettings(tokens=10**6, moe_efficiency=1.0))
+    dense_rate = plan(
+        write_config(tmp_path, DEEPSEEK_V3, "dsv3b"), PlanSettings(vllm_check=False, tokens=10**6, moe_efficiency=1.0)
+    )
     assert dense_rate["time"]["capture"]["tokens_per_s_per_gpu"] == pytest.approx(
         cap["capture_tok_s"] / ratio, rel=1e-4
     )
     # a dense target captures with vllm: every GPU works (TP 1 x DP 8 here)
     assert p["target_memory"]["backend"] == "vllm" and p["target_memory"]["tp"] == 1 and p["target_memory"]["dp"] == 8
     assert p["time"]["capture"]["seconds"] == pytest.approx(10**6 / (8 * p["time"]["capture"]["tokens_per_s_per_gpu"]))
-    fast = plan(write_config(tmp_path, llama8b, "fast"), PlanSettings(tokens=10**6, gpu_tflops=2 * 989))
+    fast = plan(
+        write_config(tmp_path, llama8b, "fast"), PlanSettings(vllm_check=False, tokens=10**6, gpu_tflops=2 * 989)
+    )
     assert fast["time"]["capture"]["seconds"] == pytest.approx(p["time"]["capture"]["seconds"] / 2)
 
 
@@ -496,7 +503,7 @@ def test_tokens_from_a_data_folder(tiny_target, tmp_path):
     target = tiny_target("llama")
     data = make_data_dir(tmp_path / "data", AutoTokenizer.from_pretrained(target), target, n_train=3, n_heldout=1)
     m = json.loads((data / "manifest.json").read_text())
-    p = plan(target, PlanSettings(data=str(data)))
+    p = plan(target, PlanSettings(vllm_check=False, data=str(data)))
     assert p["data"]["tokens"] == m["splits"]["train"]["tokens"] + m["splits"]["heldout"]["tokens"]
     assert p["data"]["train_tokens"] == m["splits"]["train"]["tokens"]
     with pytest.raises(NestlingError, match="--tokens N"):
@@ -521,6 +528,7 @@ def test_cli_table_and_json(tmp_path):
         "96GB",
         "--disk",
         "4TB",
+        "--no-vllm-check",  # tests/test_plan_serving.py asks vLLM
     ]
     env = {"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
@@ -528,6 +536,7 @@ def test_cli_table_and_json(tmp_path):
     assert "capture backend vllm" in out and "     8   1    8192     78.7 GiB  yes" in out
     assert "the hf backend: weights 1.9 TiB, 245.4 GiB per GPU over 8: does not fit" in out
     assert "recommended: offline, float8 store: capture backend=vllm tensor_parallel_size=8" in out
+    assert out.endswith("beside this target (vllm_check off)\n") or "vLLM        not installed here" in out
     js = json.loads(
         subprocess.run(cmd + ["--json", "ttt_steps=3"], capture_output=True, text=True, env=env, check=True).stdout
     )

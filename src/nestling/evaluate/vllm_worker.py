@@ -128,8 +128,9 @@ def speculative_config(spec: dict, draft: str) -> dict:
     return config
 
 
-def eagle3_unsupported(target: str) -> str | None:
-    """Why this vLLM cannot run an EAGLE-3 draft beside `target`, or None. vLLM reads the draft's aux
+def eagle3_unsupported(target: str | dict) -> str | None:
+    """Why this vLLM cannot run an EAGLE-3 draft beside `target` (its folder, or its config.json as a
+    dict: `nestling plan` asks before anything loads), or None. vLLM reads the draft's aux
     hidden states through its model class's `SupportsEagle3` interface; a class without it (Gemma-3 in
     vLLM 0.32) fails at load ("Model does not support EAGLE3 interface"). Asked of vLLM's own registry,
     so a later vLLM that adds the interface passes; a registry this code cannot read passes too (vLLM
@@ -138,7 +139,8 @@ def eagle3_unsupported(target: str) -> str | None:
         from vllm.model_executor.models import ModelRegistry
         from vllm.model_executor.models.interfaces import supports_eagle3
 
-        archs = json.loads((Path(target) / "config.json").read_text()).get("architectures") or []
+        config = target if isinstance(target, dict) else json.loads((Path(target) / "config.json").read_text())
+        archs = config.get("architectures") or []
         classes = [c for c in map(ModelRegistry._try_load_model_cls, archs) if c is not None]
     except Exception:  # noqa: BLE001 -- a registry or config this code cannot read: vLLM decides at load
         return None

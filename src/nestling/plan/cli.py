@@ -11,7 +11,9 @@ from nestling.cli import add_intermixed_parser
 HELP = """Estimate, from the target's config.json alone (no weights are read), what training a draft
 costs: the capture store's size (bf16 and float8), the target's GPU memory at its quantization for
 each tensor-parallel degree, the draft's training memory, the time of capture and training at the
-rates nestling measured (benchmarks/results), and which mode fits the machine you describe."""
+rates nestling measured (benchmarks/results), and which mode fits the machine you describe. A last
+line says whether the vLLM installed here can serve an EAGLE-3 draft beside the target, and if not,
+why and what eval does instead."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,6 +40,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--layers", help="capture layer ids, comma-separated, the last the final state (default 2, L//2, L-3, L)"
     )
+    p.add_argument(
+        "--vllm-check",
+        dest="vllm_check",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="ask the vLLM installed here whether it serves an EAGLE-3 draft beside the target (on by default; "
+        "off skips importing vLLM, which takes seconds)",
+    )
     p.add_argument("--config", type=Path, help="YAML file of plan settings")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=main)
@@ -49,7 +59,8 @@ def main(args: argparse.Namespace) -> int:
     from nestling.plan.run import plan
     from nestling.plan.settings import PlanSettings
 
-    flags = ("tokens", "data", "gpus", "gpu_memory", "disk", "gpu_tflops") + (("layers",) if args.layers else ())
+    flags: tuple[str, ...] = ("tokens", "data", "gpus", "gpu_memory", "disk", "gpu_tflops", "vllm_check")
+    flags += ("layers",) if args.layers else ()
     result = plan(args.target, settings_from_args(PlanSettings, args, flags, args.extra))
     print(json.dumps(result, indent=2) if args.json else table(result), flush=True)
     return 0

@@ -75,8 +75,20 @@ def table(p: dict) -> str:
     lines += ["", "modes"]
     for mo in p["modes"]:
         lines.append(f"  [{'fits' if mo['fits'] else 'no':>4}] {mo['mode']}: {mo['why']}")
-    lines += ["", f"recommended: {p['recommendation']}"]
+    lines += ["", f"recommended: {p['recommendation']}", "", _vllm_line(p["vllm"])]
     return "\n".join(lines)
+
+
+def _vllm_line(v: dict) -> str:
+    """Whether the vLLM installed here serves an EAGLE-3 draft beside the target (run.vllm_serving)."""
+    if not v["installed"]:
+        return f"vLLM        not installed here: {v['eval']}"
+    head = f"vLLM        {v['version']} installed here"
+    if not v["checked"]:
+        return f"{head}; not asked whether it serves an EAGLE-3 draft beside this target (vllm_check off)"
+    if v["serves_eagle3"]:
+        return f"{head} serves an EAGLE-3 draft beside this target: {v['eval']}"
+    return f"{head} cannot serve an EAGLE-3 draft beside this target: {v['why']}; {v['eval']}"
 
 
 def _target_lines(tm: dict, stored: float) -> list[str]:

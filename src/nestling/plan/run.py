@@ -203,10 +203,48 @@ def recommend(modes_: list[dict], s: PlanSettings) -> str:
     )
 
 
+def vllm_serving(config: dict, check: bool = True) -> dict:
+    """Whether the vLLM installed here can serve an EAGLE-3 draft beside this target, why not, and what
+    eval then does: eval learns it only when it starts vLLM, so plan says it first. The rules are eval's
+    own (`vllm_worker.eagle3_unsupported`: vLLM's model registry; `targets/vllm_rules.py`: the CPU
+    build's MLA and quantized-expert limits), at the dtype eval picks here. `config` is the whole config.json (a multimodal
+    wrapper names its architecture at the top). vLLM is imported only where it is installed and `check`
+    is on: the import takes seconds."""
+    from nestling.engines import vllm_installed
+    from nestling.evaluate.settings import EvalSettings, choose
+
+    out: dict = dict(installed=vllm_installed(), version=None, checked=False, dtype=None, serves_eagle3=None, why=None)
+    if not out["installed"]:
+        return {**out, "eval": "eval measures with nestling's reference decoder (engine auto; docs/eval.md)"}
+    from nestling.capture.vllm import installed_vllm_version
+
+    out.update(version=installed_vllm_version(), checked=check, eval="eval measures in vLLM (engine auto)")
+    if not check:
+        return out
+    from nestling.evaluate.vllm_worker import eagle3_unsupported
+    from nestling.targets.vllm_rules import check_cpu_target, eagle3_serving_limit, has_amx
+
+    cuda = torch.cuda.is_available()
+    dtype = choose(EvalSettings(), True, cuda)[0].dtype
+    why = eagle3_unsupported(config) or eagle3_serving_limit(config, dtype, not cuda, has_amx())
+    then = f"eval falls back to nestling's reference decoder ({dtype}; docs/eval.md)"
+    if why is None and not cuda:
+        try:  # eval refuses these where it starts vLLM (engine_options), it does not fall back
+            check_cpu_target(config)
+        except NestlingError as e:
+            why = str(e).split(" Capture it ")[0].rstrip(".")  # the rest is advice for capture
+            then = "eval stops there: run it with engine=reference (nestling's reference decoder; docs/eval.md)"
+    out.update(dtype=dtype, serves_eagle3=why is None, why=why)
+    if why:
+        out["eval"] = then
+    return out
+
+
 def plan(target: str | Path, settings: PlanSettings | None = None) -> dict:
     """The cost plan of training a draft for `target` (a model folder or its config.json)."""
     s = settings or PlanSettings()
-    cfg = M.read_config(target)
+    cfg = M.read_config(target)  # the text part of a multimodal wrapper; vllm_serving reads the whole file
+    config_file = Path(target) / "config.json" if Path(target).is_dir() else Path(target)
     L, H, V = (int(cfg[k]) for k in ("num_hidden_layers", "hidden_size", "vocab_size"))
     layer_ids = validate_layer_ids(list(s.layers) if s.layers else default_capture_layers(L), L)
     tokens, train_tokens, source = data_tokens(s)
@@ -260,6 +298,7 @@ def plan(target: str | Path, settings: PlanSettings | None = None) -> dict:
         "online_per_gpu_bytes": online_per_gpu,
         "modes": ms,
         "recommendation": recommend(ms, s),
+        "vllm": vllm_serving(json.loads(config_file.read_text()), s.vllm_check),
     }
 
 

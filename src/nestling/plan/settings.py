@@ -18,8 +18,9 @@ class PlanSettings:
     fast as the measured one (an H200). `seq_len` is the typical sample length (attention FLOPs, and
     the smallest capture batch). `backend` auto picks the capture backend that fits (plan/target.py);
     vllm or hf prices that one. `moe_efficiency` is the share of the dense capture rate a MoE target
-    reaches (docs/plan.md says where 0.5 comes from). The rest mirror capture's and train's settings
-    of the same names.
+    reaches (docs/plan.md says where 0.5 comes from). `vllm_check` asks the vLLM installed here whether
+    it serves an EAGLE-3 draft beside the target (off: vLLM is not imported, which takes seconds). The
+    rest mirror capture's and train's settings of the same names.
     """
 
     tokens: int | None = None
@@ -41,6 +42,7 @@ class PlanSettings:
     intermediate_size: int = 0
     epochs: float = 1.0
     results: str | None = None  # benchmark results folder (default: the checkout's benchmarks/results)
+    vllm_check: bool = True
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
