@@ -26,7 +26,8 @@
 #                trains on the kept answers, those of each staged set named in EXTRA and the new ones;
 #                `packregen more` keeps the new answers, `stageregen more` brings them back from
 #                .dev/c/regen-more.tar.xz.*; a further slice: stageregen, stageregen more, then
-#                MIX=N+M MORE=K SET=more2 EXTRA=more ... grow)
+#                MIX=N+M MORE=K SET=more2 EXTRA=more ... grow; MORE=0 EXTRA="more more2" ... grow trains on the
+#                staged answers alone: another recipe or budget without regenerating)
 #   then, as often as needed:                    bash benchmarks/gpu_recipe.sh wait [NAME]
 #                until it says done; results go to $OUT, the draft as draft.tar.* parts (cat, untar,
 #                measure with benchmarks/quality.py --draft); NAME: the `again` (or `grow`) run's instead
@@ -71,17 +72,21 @@ grow)
     complete regenerate $RUN-$e || { echo "[gpu] no staged regenerate stage in $RUN-$e: run stageregen $e first" >&2; exit 3; }
   done
   prepare
-  (cd $H/repo && PYTHONPATH=/tmp/site:$H/repo/src python3 benchmarks/mix_source.py --out $H/$SET.jsonl \
-     --chat-start "${MIX:?MIX=N: the chat conversations the staged answers hold}" \
-     --chat "${MORE:?MORE=N: conversations to add}" --maths 0)
+  SETS=${EXTRA:-}; NEW=""  # MORE=0: no new slice, the run trains on the staged answers alone
+  if [ "${MORE:?MORE=N: conversations to add (0: none, train on the staged answers)}" != 0 ]; then
+    (cd $H/repo && PYTHONPATH=/tmp/site:$H/repo/src python3 benchmarks/mix_source.py --out $H/$SET.jsonl \
+       --chat-start "${MIX:?MIX=N: the chat conversations the staged answers hold}" --chat "$MORE" --maths 0)
+    SETS="$SETS $SET"
+    NEW="python3 -m nestling run examples/gpu.yaml run_dir=$RUN-$SET inputs=$H/$SET.jsonl --until regenerate || exit 1"
+  fi
   ANSWERS=""  # greedy and sampled answers of the staged run, of each EXTRA set, and of the new set
-  for d in $RUN $(for e in ${EXTRA:-} $SET; do echo $RUN-$e; done); do
+  for d in $RUN $(for e in $SETS; do echo $RUN-$e; done); do
     ANSWERS="$ANSWERS${ANSWERS:+,}$d/regenerate/messages.jsonl,$d/regenerate/sampled/messages.jsonl"
   done
   # the new conversations' answers (a run of their own, up to regenerate), then a run on every answer set
   cat > $RUN-grow.sh <<EOF
 cd $H/repo && export PYTHONPATH=/tmp/site:$H/repo/src
-python3 -m nestling run examples/gpu.yaml run_dir=$RUN-$SET inputs=$H/$SET.jsonl --until regenerate || exit 1
+$NEW
 python3 -m nestling run examples/gpu.yaml run_dir=$RUN-grow regenerate=false inputs=$ANSWERS $*
 EOF
   (setsid nohup bash $RUN-grow.sh > $RUN-grow.log 2>&1 &)

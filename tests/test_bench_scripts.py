@@ -429,12 +429,13 @@ def test_gpu_recipe_regenerated_answers_go_back_and_are_staged_again(tmp_path, n
     assert (back / ".nestling-stage.json").exists() and (back / "run.json").exists()
 
 
-def test_gpu_recipe_grow_answers_the_new_conversations_then_trains_on_all_four_answer_sets(tmp_path):
+def test_gpu_recipe_grow_answers_the_new_conversations_then_trains_on_every_answer_set(tmp_path):
     """`MIX=N MORE=M gpu_recipe.sh grow KEY=VALUE`: refused without a staged regeneration; else it makes
     the M conversations after the first N, regenerates them in a run of their own (up to regenerate),
     then trains in a run of its own on the kept and the new answers, greedy and sampled, without
     regenerating, with the settings given; `wait grow` follows that whole script. With `SET=more2
-    EXTRA=more` a further slice reads the staged `more` answers too, and is refused until they are staged."""
+    EXTRA=more` a further slice reads the staged `more` answers too, and is refused until they are staged;
+    with MORE=0 it trains on the staged answers alone."""
     home, work = tmp_path / "home", tmp_path / "checkout"
     run = home / "gpu-run"
     (run / "state").mkdir(parents=True)
@@ -455,25 +456,29 @@ def test_gpu_recipe_grow_answers_the_new_conversations_then_trains_on_all_four_a
     (tmp_path / "out").mkdir()
     cmd = ["bash", str(ROOT / "benchmarks" / "gpu_recipe.sh"), "grow", "train.steps=2500"]
 
-    def grow() -> list[str]:
-        """The calls a `grow` that starts makes: the slice, its regeneration, the run on every answer set."""
+    def grow(n: int = 3) -> list[str]:
+        """The n calls a `grow` that starts makes after installing the gguf reader: the slice, its
+        regeneration, the run on every answer set (the run alone with MORE=0)."""
         (tmp_path / "calls").unlink(missing_ok=True)
         r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         assert "[gpu] done" in r.stdout
         for _ in range(100):  # under load the script may start after `wait` looked
             calls = (tmp_path / "calls").read_text().splitlines()
-            if len(calls) == 4:
+            if len(calls) == n + 1:
                 break
             time.sleep(0.1)
         return calls[1:]
 
-    def expected(name: str, start: int, n: int, sets: list[Path]) -> list[str]:
+    def trains_on(sets: list[Path]) -> str:
         inputs = ",".join(f"{d}/regenerate/messages.jsonl,{d}/regenerate/sampled/messages.jsonl" for d in sets)
+        return f"-m nestling run examples/gpu.yaml run_dir={run}-grow regenerate=false inputs={inputs} train.steps=2500"
+
+    def expected(name: str, start: int, n: int, sets: list[Path]) -> list[str]:
         return [
             f"benchmarks/mix_source.py --out {home}/{name}.jsonl --chat-start {start} --chat {n} --maths 0",
             f"-m nestling run examples/gpu.yaml run_dir={run}-{name} inputs={home}/{name}.jsonl --until regenerate",
-            f"-m nestling run examples/gpu.yaml run_dir={run}-grow regenerate=false inputs={inputs} train.steps=2500",
+            trains_on(sets),
         ]
 
     r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
@@ -488,7 +493,14 @@ def test_gpu_recipe_grow_answers_the_new_conversations_then_trains_on_all_four_a
     assert r.returncode == 3 and "run stageregen more first" in r.stderr and not (tmp_path / "calls").exists()
     (more / "state").mkdir(parents=True)
     (more / "state" / "regenerate.json").write_text('{"status": "complete"}')
-    assert grow() == expected("more2", 11000, 6445, [run, more, home / "gpu-run-more2"])
+    more2 = home / "gpu-run-more2"
+    assert grow() == expected("more2", 11000, 6445, [run, more, more2])
+    # MORE=0: no new slice and no regeneration, a run on the staged answers alone (another recipe)
+    (more2 / "state").mkdir(parents=True)
+    (more2 / "state" / "regenerate.json").write_text('{"status": "complete"}')
+    env.update(MORE="0", EXTRA="more more2")
+    del env["MIX"]
+    assert grow(1) == [trains_on([run, more, more2])]
 
 
 def test_vllm_cpu_sampling_eagle_drafts_the_k_asked_for(monkeypatch):
