@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from nestling.targets.tiny import ARCH_CONFIGS, VOCAB
+from test_plan import W4A16
 
 # Runs `nestling plan` (table, then --json) on each target after PRELUDE; writes what it printed and the
 # vllm modules it imported to the file named last (vLLM logs to stdout, so not there).
@@ -41,17 +42,6 @@ import vllm
 out["version"] = vllm.__version__
 out["gemma3_supports_eagle3"] = supports_eagle3(ModelRegistry._try_load_model_cls("Gemma3ForCausalLM"))
 """
-INT4_EXPERTS = {  # compressed-tensors W4A16 in groups of 32, as Kimi-K2.5 ships its routed experts
-    "quant_method": "compressed-tensors",
-    "format": "pack-quantized",
-    "config_groups": {
-        "group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32},
-        }
-    },
-    "ignore": ["lm_head", "re:.*self_attn.*"],
-}
 
 
 def config_only(tmp_path: Path, arch: str, **extra) -> str:
@@ -81,7 +71,7 @@ def test_plan_says_which_targets_the_installed_vllm_serves_an_eagle3_draft_besid
 
     gemma3, llama = config_only(tmp_path, "gemma3"), config_only(tmp_path, "llama")
     mla = config_only(tmp_path, "deepseek_v3")
-    int4_moe = config_only(tmp_path, "qwen3_moe", quantization_config=INT4_EXPERTS)
+    int4_moe = config_only(tmp_path, "qwen3_moe", quantization_config=W4A16)  # Kimi-K2.5's INT4 experts
     out = run_plan(tmp_path, [gemma3, llama, mla, int4_moe], registry=REGISTRY)
     if out["gemma3_supports_eagle3"]:
         pytest.skip("this vLLM serves EAGLE-3 beside Gemma-3: no case for plan to report")
