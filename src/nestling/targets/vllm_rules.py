@@ -44,7 +44,17 @@ def has_amx() -> bool:
 
 
 def check_cpu_target(config: dict) -> None:
-    """The limits of vLLM's CPU build for MLA and quantized MoE targets (a GPU build has none of them).
+    """Refuse a target vLLM's CPU build cannot compute (`cpu_target_problem`), saying where to capture it."""
+    problem = cpu_target_problem(config)
+    if problem:
+        why, advice = problem
+        raise NestlingError(f"{why}. {advice}")
+
+
+def cpu_target_problem(config: dict) -> tuple[str, str] | None:
+    """Why vLLM's CPU build cannot compute this MLA or quantized MoE target, and where to capture it
+    instead; None where it can (a GPU build has none of these limits). Apart, so `nestling plan` can give
+    the reason without capture's advice.
 
     - Its fused-MoE kernel for int-quantized experts cannot run Kimi-K2.5's (`cpu_moe_quant_problems`).
     - Its MLA kernels (CPU_MLA, AMX_MLA) are built for latents of kv_lora_rank + qk_rope_head_dim in
@@ -56,31 +66,35 @@ def check_cpu_target(config: dict) -> None:
       sets it) runs vLLM's PyTorch rope and is exact.
     """
     text, kind = _text(config)
+    elsewhere = f"Capture it on a GPU with vLLM, or {HF_HINT}."
     moe = cpu_moe_quant_problems(config, has_amx())
     if moe:
-        raise NestlingError(
+        return (
             f"vLLM {TESTED_VLLM[0]}'s CPU build cannot run this {kind} target's int-quantized routed experts: its "
             f'one fused-MoE kernel for them needs {"; and ".join(moe)} (it fails loading with "No WNA16 MoE backend '
-            f'supports the deployment configuration", docs/capture-vllm.md). Capture it on a GPU with vLLM (its '
-            f"Marlin kernel takes groups of 32 and any routing), or {HF_HINT} (it loads them dequantized)."
+            f'supports the deployment configuration", docs/capture-vllm.md)',
+            f"Capture it on a GPU with vLLM (its Marlin kernel takes groups of 32 and any routing), or {HF_HINT} "
+            "(it loads them dequantized).",
         )
     if not is_mla(config):
-        return
+        return None
     latent = int(text.get("kv_lora_rank") or 0) + int(text.get("qk_rope_head_dim") or 0)
     if latent not in CPU_MLA_LATENTS:
-        raise NestlingError(
+        return (
             f"vLLM's CPU build runs MLA only with kv_lora_rank + qk_rope_head_dim in {sorted(CPU_MLA_LATENTS)} "
-            f"(DeepSeek-V3 and Kimi-K2 have 512 + 64 = 576); this {kind} target has {latent}. Capture it on a GPU "
-            f"with vLLM, or {HF_HINT}."
+            f"(DeepSeek-V3 and Kimi-K2 have 512 + 64 = 576); this {kind} target has {latent}",
+            elsewhere,
         )
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) in (None, "default"):
-        raise NestlingError(
+        return (
             f"vLLM {TESTED_VLLM[0]}'s CPU build computes plain rope wrongly for MLA targets (its CPU rotary kernel "
             f"takes the [tokens, heads, dim] query of MLA as one head per row; states differ from the second token "
             f"on, docs/capture-vllm.md). This {kind} target sets no rope scaling; released DeepSeek-V3 and Kimi "
-            f"checkpoints use yarn, which vLLM computes exactly. Capture it on a GPU with vLLM, or {HF_HINT}."
+            f"checkpoints use yarn, which vLLM computes exactly",
+            elsewhere,
         )
+    return None
 
 
 def cpu_moe_quant_problems(config: dict, amx: bool) -> list[str]:
