@@ -31,15 +31,22 @@ GROUP_MODULES = {
 def read_config(path: str | Path) -> dict:
     """config.json of a model folder (or the file itself), as a dict; the text part of a multimodal one
     keeps the top level's quantization_config."""
+    return read_configs(path)[1]
+
+
+def read_configs(path: str | Path) -> tuple[dict, dict]:
+    """config.json as the file holds it (vLLM names a multimodal wrapper's architecture at its top) and
+    its checked text part (`read_config`), from one read."""
     from nestling.inputs import read_json
 
     p = Path(path)
     f = p / "config.json" if p.is_dir() else p
     if not f.is_file():
         raise NestlingError(f"{path}: no config.json there; give a model folder or the path of its config.json")
-    cfg = text_config(read_json(f, "config", hint="give the model's own config.json"))
+    whole = read_json(f, "config", hint="give the model's own config.json")
+    cfg = text_config(whole)
     check_config(cfg, f)
-    return cfg
+    return whole, cfg
 
 
 def text_config(cfg: dict) -> dict:

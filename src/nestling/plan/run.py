@@ -222,18 +222,16 @@ def vllm_serving(config: dict, check: bool = True) -> dict:
     if not check:
         return out
     from nestling.evaluate.vllm_worker import eagle3_unsupported
-    from nestling.targets.vllm_rules import check_cpu_target, eagle3_serving_limit, has_amx
+    from nestling.targets.vllm_rules import cpu_target_problem, eagle3_serving_limit, has_amx
 
     cuda = torch.cuda.is_available()
     dtype = choose(EvalSettings(), True, cuda)[0].dtype
     why = eagle3_unsupported(config) or eagle3_serving_limit(config, dtype, not cuda, has_amx())
     then = f"eval falls back to nestling's reference decoder ({dtype}; docs/eval.md)"
-    if why is None and not cuda:
-        try:  # eval refuses these where it starts vLLM (engine_options), it does not fall back
-            check_cpu_target(config)
-        except NestlingError as e:
-            why = str(e).split(" Capture it ")[0].rstrip(".")  # the rest is advice for capture
-            then = "eval stops there: run it with engine=reference (nestling's reference decoder; docs/eval.md)"
+    problem = cpu_target_problem(config) if why is None and not cuda else None
+    if problem:  # eval refuses these where it starts vLLM (engine_options), it does not fall back
+        why = problem[0]
+        then = "eval stops there: run it with engine=reference (nestling's reference decoder; docs/eval.md)"
     out.update(dtype=dtype, serves_eagle3=why is None, why=why)
     if why:
         out["eval"] = then
@@ -243,8 +241,7 @@ def vllm_serving(config: dict, check: bool = True) -> dict:
 def plan(target: str | Path, settings: PlanSettings | None = None) -> dict:
     """The cost plan of training a draft for `target` (a model folder or its config.json)."""
     s = settings or PlanSettings()
-    cfg = M.read_config(target)  # the text part of a multimodal wrapper; vllm_serving reads the whole file
-    config_file = Path(target) / "config.json" if Path(target).is_dir() else Path(target)
+    whole, cfg = M.read_configs(target)  # cfg: the text part of a multimodal wrapper
     L, H, V = (int(cfg[k]) for k in ("num_hidden_layers", "hidden_size", "vocab_size"))
     layer_ids = validate_layer_ids(list(s.layers) if s.layers else default_capture_layers(L), L)
     tokens, train_tokens, source = data_tokens(s)
@@ -298,7 +295,7 @@ def plan(target: str | Path, settings: PlanSettings | None = None) -> dict:
         "online_per_gpu_bytes": online_per_gpu,
         "modes": ms,
         "recommendation": recommend(ms, s),
-        "vllm": vllm_serving(json.loads(config_file.read_text()), s.vllm_check),
+        "vllm": vllm_serving(whole, s.vllm_check),
     }
 
 
