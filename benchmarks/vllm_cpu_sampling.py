@@ -177,7 +177,7 @@ def eagle_worker(draft: str, prompts: str, method: str, temperature: float, n: i
         draft_sample_method=method, engine_options={**engine_options(Path(target), "float32"), **whole_prefill(max_len)},
     )  # fmt: skip
     d = run_worker(spec)["drafts"][0]
-    r = {**summarize_run(d, k), "k": k, "tokens": d["tokens"], "target_forwards": d["target_forwards"]}
+    r = {**summarize_run(d, k), "k": k, "tokens": d["tokens"]}
     return {**r, "tokens_per_forward": per_forward(r), "tokens_per_forward_from_counters": per_forward_from_counters(r)}
 
 

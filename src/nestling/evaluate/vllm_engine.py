@@ -130,7 +130,7 @@ def summarize_run(d: dict, k: int) -> dict:
     per target forward over every decode step."""
     return {
         **summarize_metrics(d["metrics"], k),
-        "target_forwards": sum(d["forwards"]),
+        "target_forwards": d["target_forwards"],
         "mean_tokens_per_target_forward": tokens_per_forward(d["outputs"], d["forwards"], k),
     }
 
