@@ -150,7 +150,9 @@ def engine_worker(variant: str, temperature: float, k: int) -> dict:
     return {"num_drafts": d, "per_position": [x / max(d, 1) for x in m.get("num_accepted_tokens_per_pos", [])]}
 
 
-def eagle_worker(draft: str, prompts: str, method: str, temperature: float, n: int, max_new: int, k: int) -> dict:
+def eagle_worker(
+    draft: str, prompts: str, method: str, temperature: float, n: int, max_new: int, k: int, seed: int = 0
+) -> dict:
     """vLLM with an EAGLE-3 draft (K = k) on SmolLM2 in this process, the CPU expand corrected; prompts
     prefilled whole, as seeded sampling on the CPU build needs (targets/vllm_rules.whole_prefill)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -173,7 +175,7 @@ def eagle_worker(draft: str, prompts: str, method: str, temperature: float, n: i
     max_len = max(map(len, ids)) + max_new + 8
     spec = dict(
         target=str(target), drafts=[draft], k=k, prompts=ids, max_new_tokens=max_new, temperature=temperature,
-        dtype="float32", max_model_len=max_len, seed=0, baseline=False,
+        dtype="float32", max_model_len=max_len, seed=seed, baseline=False,
         draft_sample_method=method, engine_options={**engine_options(Path(target), "float32"), **whole_prefill(max_len)},
     )  # fmt: skip
     d = run_worker(spec)["drafts"][0]
@@ -181,13 +183,14 @@ def eagle_worker(draft: str, prompts: str, method: str, temperature: float, n: i
     return {**r, "tokens_per_forward": per_forward(r), "tokens_per_forward_from_counters": per_forward_from_counters(r)}
 
 
-def eagle_runs(draft: str, prompts: str, temperature: float, n: int, max_new: int, k: int) -> dict:
+def eagle_runs(
+    draft: str, prompts: str, temperature: float, n: int, max_new: int, k: int, seed: int, methods: list[str]
+) -> dict:
     """`eagle_worker` for each draft_sample_method, each in a fresh process (the kernel is replaced
-    before vLLM registers its overrides, once per process)."""
-    from nestling.evaluate.settings import DRAFT_SAMPLE_METHODS
-
+    before vLLM registers its overrides, once per process). The seed is every request's: sampled
+    figures from one seed per prompt move by a tenth or more, so comparing two drafts wants several."""
     out = {}
-    for method in DRAFT_SAMPLE_METHODS:
+    for method in methods:
         cmd = [
             sys.executable,
             __file__,
@@ -199,6 +202,7 @@ def eagle_runs(draft: str, prompts: str, temperature: float, n: int, max_new: in
             str(n),
             str(max_new),
             str(k),
+            str(seed),
         ]
         r = subprocess.run(cmd, capture_output=True, text=True)
         lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
@@ -217,33 +221,42 @@ def engine_runs(temperature: float, k: int) -> dict:
 
 
 def main() -> None:
+    from nestling.evaluate.settings import DRAFT_SAMPLE_METHODS
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--k", type=int, default=3, help="draft tokens per step, in every mode")
     ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the kernel runs' seed; with --eagle, every request's")
+    ap.add_argument(
+        "--methods",
+        nargs="+",
+        choices=DRAFT_SAMPLE_METHODS,
+        default=list(DRAFT_SAMPLE_METHODS),
+        help="with --eagle: the draft_sample_methods to run (default: all)",
+    )
     ap.add_argument("--engine", action="store_true", help="also vLLM's ngram on SmolLM2, shipped vs corrected")
     ap.add_argument("--eagle", metavar="DRAFT", help="an exported EAGLE-3 draft of SmolLM2 in the corrected engine")
     ap.add_argument("--prompts", help="with --eagle: a prompts file (JSONL with 'messages' or 'prompt')")
     ap.add_argument("--max-prompts", type=int, default=24)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--engine-worker", nargs=3, metavar=("VARIANT", "T", "K"), help=argparse.SUPPRESS)
-    ap.add_argument("--eagle-worker", nargs=7, help=argparse.SUPPRESS)
+    ap.add_argument("--eagle-worker", nargs=8, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.engine_worker:
         variant, t, k = a.engine_worker
         print(json.dumps(engine_worker(variant, float(t), int(k))))
         return
     if a.eagle_worker:
-        d, p, m, t, n, new, k = a.eagle_worker
-        print(json.dumps(eagle_worker(d, p, m, float(t), int(n), int(new), int(k))))
+        d, p, m, t, n, new, k, seed = a.eagle_worker
+        print(json.dumps(eagle_worker(d, p, m, float(t), int(n), int(new), int(k), int(seed))))
         return
     if a.eagle:
         if not a.prompts:
             ap.error("--eagle needs --prompts FILE")
-        res = eagle_runs(a.eagle, a.prompts, a.temperature, a.max_prompts, a.max_new_tokens, a.k)
-        report = {"draft": a.eagle, "prompts": a.prompts, "temperature": a.temperature, "k": a.k, **res}
+        res = eagle_runs(a.eagle, a.prompts, a.temperature, a.max_prompts, a.max_new_tokens, a.k, a.seed, a.methods)
+        report = {"draft": a.eagle, "prompts": a.prompts, "temperature": a.temperature, "k": a.k, "seed": a.seed, **res}
         print(json.dumps(report, indent=1))
         return
 

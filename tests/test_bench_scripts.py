@@ -7,6 +7,7 @@ script's home is redirected to an empty folder, as a fresh machine's would be.""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -516,8 +517,31 @@ def test_vllm_cpu_sampling_eagle_drafts_the_k_asked_for(monkeypatch):
         return subprocess.CompletedProcess(cmd, 0, stdout=f'log line\n{{"method": "{cmd[5]}"}}\n', stderr="")
 
     monkeypatch.setattr(vllm_cpu_sampling.subprocess, "run", worker)
-    out = vllm_cpu_sampling.eagle_runs("d", "p.jsonl", 0.7, 24, 256, 5)
+    methods = ["greedy", "probabilistic"]
+    out = vllm_cpu_sampling.eagle_runs("d", "p.jsonl", 0.7, 24, 256, 5, 0, methods)
     assert [c[2:] for c in started] == [
-        ["--eagle-worker", "d", "p.jsonl", m, "0.7", "24", "256", "5"] for m in ("greedy", "probabilistic")
+        ["--eagle-worker", "d", "p.jsonl", m, "0.7", "24", "256", "5", "0"] for m in methods
     ]
-    assert out == {f"draft_sample_method {m}": {"method": m} for m in ("greedy", "probabilistic")}
+    assert out == {f"draft_sample_method {m}": {"method": m} for m in methods}
+
+    # --seed 3 --methods probabilistic: one worker, every request seeded with 3
+    started.clear()
+    out = vllm_cpu_sampling.eagle_runs("d", "p.jsonl", 0.7, 24, 256, 3, 3, ["probabilistic"])
+    assert [c[2:] for c in started] == [
+        ["--eagle-worker", "d", "p.jsonl", "probabilistic", "0.7", "24", "256", "3", "3"]
+    ]
+    assert list(out) == ["draft_sample_method probabilistic"]
+
+
+def test_vllm_cpu_sampling_eagle_worker_reads_the_seed(monkeypatch, capsys):
+    """The worker's command line carries the seed as its last word, and the worker runs with it."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import vllm_cpu_sampling
+
+    seen: list[tuple] = []
+    monkeypatch.setattr(vllm_cpu_sampling, "eagle_worker", lambda *a: seen.append(a) or {"ok": 1})
+    argv = ["x", "--eagle-worker", "d", "p.jsonl", "probabilistic", "0.7", "24", "256", "3", "7"]
+    monkeypatch.setattr(sys, "argv", argv)
+    vllm_cpu_sampling.main()
+    assert seen == [("d", "p.jsonl", "probabilistic", 0.7, 24, 256, 3, 7)]
+    assert json.loads(capsys.readouterr().out) == {"ok": 1}
