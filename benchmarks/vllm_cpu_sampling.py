@@ -3,6 +3,7 @@
     python benchmarks/vllm_cpu_sampling.py [--vocab 49152] [--requests 256] [--k 3] [--temperature 0.7]
     python benchmarks/vllm_cpu_sampling.py --engine      # also vLLM's ngram on SmolLM2 (minutes on CPU)
     python benchmarks/vllm_cpu_sampling.py --eagle DRAFT --prompts FILE   # a draft, both draft_sample_methods
+        [--methods probabilistic] [--seed S]   # one method; every request seeded with S (default 0)
 
 No model: vLLM's own rejection-sampling path (`apply_sampling_constraints`, then `rejection_sample`,
 as `RejectionSampler.forward` calls them) on random target logits, with the kernels the CPU platform
