@@ -27,7 +27,8 @@
 #                `packregen more` keeps the new answers, `stageregen more` brings them back from
 #                .dev/c/regen-more.tar.xz.*; a further slice: stageregen, stageregen more, then
 #                MIX=N+M MORE=K SET=more2 EXTRA=more ... grow; MORE=0 EXTRA="more more2" ... grow trains on the
-#                staged answers alone: another recipe or budget without regenerating)
+#                staged answers alone: another recipe or budget without regenerating; ANSWERS_OF=sampled
+#                or =greedy trains on those answers of every set only, instead of both)
 #   then, as often as needed:                    bash benchmarks/gpu_recipe.sh wait [NAME]
 #                until it says done; results go to $OUT, the draft as draft.tar.* parts (cat, untar,
 #                measure with benchmarks/quality.py --draft); NAME: the `again` (or `grow`) run's instead
@@ -71,6 +72,14 @@ grow)
   for e in ${EXTRA:-}; do
     complete regenerate $RUN-$e || { echo "[gpu] no staged regenerate stage in $RUN-$e: run stageregen $e first" >&2; exit 3; }
   done
+  # the answers of the staged run, of each EXTRA set and of the new set: greedy and sampled, or with
+  # ANSWERS_OF=greedy or =sampled only those (which share of sampled answers serves sampling best)
+  case "${ANSWERS_OF:-both}" in
+  both) FILES="messages.jsonl sampled/messages.jsonl" ;;
+  greedy) FILES="messages.jsonl" ;;
+  sampled) FILES="sampled/messages.jsonl" ;;
+  *) echo "[gpu] ANSWERS_OF=$ANSWERS_OF: expected both, greedy or sampled" >&2; exit 3 ;;
+  esac
   prepare
   SETS=${EXTRA:-}; NEW=""  # MORE=0: no new slice, the run trains on the staged answers alone
   if [ "${MORE:?MORE=N: conversations to add (0: none, train on the staged answers)}" != 0 ]; then
@@ -79,9 +88,9 @@ grow)
     SETS="$SETS $SET"
     NEW="python3 -m nestling run examples/gpu.yaml run_dir=$RUN-$SET inputs=$H/$SET.jsonl --until regenerate || exit 1"
   fi
-  ANSWERS=""  # greedy and sampled answers of the staged run, of each EXTRA set, and of the new set
+  ANSWERS=""
   for d in $RUN $(for e in $SETS; do echo $RUN-$e; done); do
-    ANSWERS="$ANSWERS${ANSWERS:+,}$d/regenerate/messages.jsonl,$d/regenerate/sampled/messages.jsonl"
+    for f in $FILES; do ANSWERS="$ANSWERS${ANSWERS:+,}$d/regenerate/$f"; done
   done
   # the new conversations' answers (a run of their own, up to regenerate), then a run on every answer set
   cat > $RUN-grow.sh <<EOF

@@ -436,7 +436,7 @@ def test_gpu_recipe_grow_answers_the_new_conversations_then_trains_on_every_answ
     then trains in a run of its own on the kept and the new answers, greedy and sampled, without
     regenerating, with the settings given; `wait grow` follows that whole script. With `SET=more2
     EXTRA=more` a further slice reads the staged `more` answers too, and is refused until they are staged;
-    with MORE=0 it trains on the staged answers alone."""
+    with MORE=0 it trains on the staged answers alone, and with ANSWERS_OF=sampled on their sampled half."""
     home, work = tmp_path / "home", tmp_path / "checkout"
     run = home / "gpu-run"
     (run / "state").mkdir(parents=True)
@@ -502,6 +502,14 @@ def test_gpu_recipe_grow_answers_the_new_conversations_then_trains_on_every_answ
     env.update(MORE="0", EXTRA="more more2")
     del env["MIX"]
     assert grow(1) == [trains_on([run, more, more2])]
+    # ANSWERS_OF=sampled: only the sampled answers of every set; an unknown choice is refused
+    env.update(ANSWERS_OF="sampled")
+    sampled = ",".join(f"{d}/regenerate/sampled/messages.jsonl" for d in (run, more, more2))
+    assert grow(1) == [trains_on([]).replace("inputs=", f"inputs={sampled}")]
+    env.update(ANSWERS_OF="half")
+    (tmp_path / "calls").unlink()
+    r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
+    assert r.returncode == 3 and "ANSWERS_OF=half" in r.stderr and not (tmp_path / "calls").exists()
 
 
 def test_vllm_cpu_sampling_eagle_drafts_the_k_asked_for(monkeypatch):
