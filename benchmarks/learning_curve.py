@@ -444,6 +444,7 @@ def reference(b: Bench, train_dir: Path, name: str, checkpoint: Path | None = No
         "acceptance_length": r["acceptance_length"],
         "per_position": r["per_position"],
         "tokens_per_forward": r.get("mean_tokens_per_target_forward"),
+        "tokens_per_forward_se": r.get("tokens_per_forward_se"),
         "prompts": a.eval_prompts,
         "max_new_tokens": a.eval_tokens,
     }
@@ -824,6 +825,8 @@ def give_back(b: Bench, name: str, w: Path | None = None, out: Path | None = Non
 
 
 def table(b: Bench) -> None:
+    from nestling.evaluate.standard_error import plus_minus
+
     r = b.res
     print("\n| run | steps | tokens | sim. K=3 (held-out target text) | acc per position | reference K=3 |")
     print("|---|---|---|---|---|---|")
@@ -842,7 +845,8 @@ def table(b: Bench) -> None:
         c = r["curve"]
         for p in c["points"]:
             ref = c["reference_k3"].get(str(p["step"])) or c["reference_k3"].get(p["step"])
-            r3 = f"{ref['acceptance_length']:.3f} ({ref['tokens_per_forward']:.3f} tok/fwd)" if ref else "-"
+            tpf = plus_minus(ref["tokens_per_forward"], ref.get("tokens_per_forward_se")) if ref else ""
+            r3 = f"{ref['acceptance_length']:.3f} ({tpf} tok/fwd)" if ref else "-"
             print(
                 f"| curve | {p['step']} | {p['tokens']:,} | {p['sim_k3']:.3f} | "
                 f"{', '.join(f'{x:.2f}' for x in p['acc'] if x is not None)} | {r3} |"

@@ -15,7 +15,8 @@ chat template. Each domain gets its own rows (and its own folder under OUT, chat
 
 Reported at each K, greedy, from the reference decoder and vLLM, and vLLM's own ngram speculation on the
 same prompts: tokens per target forward (tokens / target forwards, every decode step counted, the
-forwards counted per prompt as the engine generates: docs/eval.md, "Counting target forwards"), vLLM's
+forwards counted per prompt as the engine generates: docs/eval.md, "Counting target forwards") with its
+standard error over the prompts (`tokens_per_forward_se`; "-" in results from before it), vLLM's
 acceptance length (1 + accepted / drafts, over the steps that drafted) and, for one release, the figure
 read off the counters as before, tokens / (tokens - accepted), which counts drafts accepted past the end
 of an answer as emitted; plus the wall time of each pipeline stage.
@@ -217,6 +218,12 @@ def per_forward(r: dict) -> float | None:
     return r.get("mean_tokens_per_target_forward")
 
 
+def per_forward_se(r: dict) -> float | None:
+    """The standard error of `per_forward` over the prompts (nestling.evaluate.standard_error): two
+    figures closer than about 2 * sqrt(se1^2 + se2^2) are not told apart. None in results from before it."""
+    return r.get("tokens_per_forward_se")
+
+
 def per_forward_from_counters(r: dict) -> float | None:
     """The figure as read off the spec-decode counters before forwards were counted, tokens / (tokens -
     accepted): too high, since a draft token accepted past max_tokens or an end of answer counts as
@@ -270,51 +277,59 @@ def measure(
         )
         stage_s[f"eval {domain} k={k}"] = time.monotonic() - t
         for eng, r in rep["engines"].items():
-            rows.append(
-                {
-                    "domain": domain,
-                    "method": "eagle3",
-                    "engine": eng,
-                    "k": k,
-                    "temperature": args.temperature,
-                    "draft_sample_method": args.draft_sample_method,
-                    "acceptance_length": r["acceptance_length"],
-                    "tokens_per_forward": per_forward(r),
-                    "tokens_per_forward_from_counters": per_forward_from_counters(r),
-                    "per_position": r["per_position"],
-                    "tokens_per_s": r.get("tokens_per_s"),
-                    "speedup": r.get("speedup"),
-                    "num_drafts": r.get("num_drafts"),
-                    "num_accepted_tokens": r.get("num_accepted_tokens"),
-                    "tokens": r.get("tokens"),
-                    "target_forwards": r.get("target_forwards"),
-                    "draftable_share": r.get("draftable_share"),
-                }
-            )
+            rows.append(eagle_row(r, domain, eng, k, args.temperature, args.draft_sample_method))
         if ngram:
             t = time.monotonic()
             r = run_ngram(
                 target, prompts, k, args.max_new_tokens, dtype, out, args.prompt_lookup_max, args.prompt_lookup_min
             )
             stage_s[f"ngram {domain} k={k}"] = time.monotonic() - t
-            rows.append(
-                {
-                    "domain": domain,
-                    "method": "ngram",
-                    "engine": "vllm",
-                    "k": k,
-                    "acceptance_length": r["acceptance_length"],
-                    "tokens_per_forward": per_forward(r),
-                    "tokens_per_forward_from_counters": per_forward_from_counters(r),
-                    "per_position": r["per_position"],
-                    "tokens_per_s": r["tokens_per_s"],
-                    "speedup": None,
-                    "num_accepted_tokens": r["num_accepted_tokens"],
-                    "tokens": r["tokens"],
-                    "target_forwards": r["target_forwards"],
-                }
-            )
+            rows.append(ngram_row(r, domain, k))
     return rows, stage_s
+
+
+def eagle_row(r: dict, domain: str, engine: str, k: int, temperature: float, draft_sample_method: str) -> dict:
+    """The table's row for the draft from one engine of an eval report (`report["engines"][engine]`)."""
+    return {
+        "domain": domain,
+        "method": "eagle3",
+        "engine": engine,
+        "k": k,
+        "temperature": temperature,
+        "draft_sample_method": draft_sample_method,
+        "acceptance_length": r["acceptance_length"],
+        "tokens_per_forward": per_forward(r),
+        "tokens_per_forward_se": per_forward_se(r),
+        "tokens_per_forward_from_counters": per_forward_from_counters(r),
+        "per_position": r["per_position"],
+        "tokens_per_s": r.get("tokens_per_s"),
+        "speedup": r.get("speedup"),
+        "num_drafts": r.get("num_drafts"),
+        "num_accepted_tokens": r.get("num_accepted_tokens"),
+        "tokens": r.get("tokens"),
+        "target_forwards": r.get("target_forwards"),
+        "draftable_share": r.get("draftable_share"),
+    }
+
+
+def ngram_row(r: dict, domain: str, k: int) -> dict:
+    """The table's row for vLLM's ngram speculation (`run_ngram`'s result)."""
+    return {
+        "domain": domain,
+        "method": "ngram",
+        "engine": "vllm",
+        "k": k,
+        "acceptance_length": r["acceptance_length"],
+        "tokens_per_forward": per_forward(r),
+        "tokens_per_forward_se": per_forward_se(r),
+        "tokens_per_forward_from_counters": per_forward_from_counters(r),
+        "per_position": r["per_position"],
+        "tokens_per_s": r["tokens_per_s"],
+        "speedup": None,
+        "num_accepted_tokens": r["num_accepted_tokens"],
+        "tokens": r["tokens"],
+        "target_forwards": r["target_forwards"],
+    }
 
 
 def domain_prompt_files(args, chat: Path, out: Path) -> dict[str, Path]:
@@ -373,17 +388,19 @@ def evaluate_draft(args, draft: Path, target: str, prompts_path: Path, out: Path
 def print_rows(title: str, rows: list[dict], stage_s: dict) -> None:
     print(f"\n## quality: {title}\n")
     print(
-        "| domain | method | engine | K | acceptance length | tokens/forward | tokens/forward from counters | "
+        "| domain | method | engine | K | acceptance length | tokens/forward | ± s.e. | tokens/forward from counters | "
         "per position | tok/s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         tpf, old = (
             f"{r[key]:.3f}" if r.get(key) else "-" for key in ("tokens_per_forward", "tokens_per_forward_from_counters")
         )
+        se = r.get("tokens_per_forward_se")  # absent from results written before it was reported
         print(
             f"| {r.get('domain', 'chat')} | {r['method']} | {r['engine']} | {r['k']} | {r['acceptance_length']:.3f} | "
-            f"{tpf} | {old} | {', '.join(f'{p:.2f}' for p in r['per_position'])} | {r.get('tokens_per_s') or 0:.1f} |"
+            f"{tpf} | {'-' if se is None else f'{se:.3f}'} | {old} | "
+            f"{', '.join(f'{p:.2f}' for p in r['per_position'])} | {r.get('tokens_per_s') or 0:.1f} |"
         )
     print("\n| stage | wall time (s) |\n|---|---|")
     for s, v in stage_s.items():

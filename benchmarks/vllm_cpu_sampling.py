@@ -19,7 +19,7 @@ second run, the shipped replacement is the whole cause. Prints JSON.
 `--eagle DRAFT --prompts FILE` measures an EAGLE-3 draft in the engine with that one kernel corrected,
 at `--temperature` and `--k`, with each of vLLM's draft_sample_methods (greedy: the draft's argmax, accepted with
 p; probabilistic: sampled, accepted with min(1, p/q)), each in its own process as below: the per-position
-acceptance and tokens per target forward to set beside nestling's reference decoder on the same prompts
+acceptance and tokens per target forward (with its standard error over the prompts) to set beside nestling's reference decoder on the same prompts
 (`nestling eval --engine reference --temperature T --draft-sample-method M`).
 
 `--engine` confirms it in the engine: vLLM's ngram speculation (K = `--k`) on SmolLM2-135M-Instruct over
@@ -165,11 +165,9 @@ def eagle_worker(
 
     from nestling.assets import smollm2_dir
     from nestling.evaluate.prompts import load_prompts
-    from nestling.evaluate.vllm_engine import summarize_run
     from nestling.evaluate.vllm_worker import run as run_worker
     from nestling.targets.load import load_tokenizer
     from nestling.targets.vllm_rules import engine_options, whole_prefill
-    from quality import per_forward, per_forward_from_counters  # this script's folder: the benchmark's counts
 
     target = smollm2_dir()
     ids = load_prompts(prompts, load_tokenizer(target), n)
@@ -179,9 +177,22 @@ def eagle_worker(
         dtype="float32", max_model_len=max_len, seed=seed, baseline=False,
         draft_sample_method=method, engine_options={**engine_options(Path(target), "float32"), **whole_prefill(max_len)},
     )  # fmt: skip
-    d = run_worker(spec)["drafts"][0]
+    return eagle_result(run_worker(spec)["drafts"][0], k)
+
+
+def eagle_result(d: dict, k: int) -> dict:
+    """One method's result from the worker's pass with the draft: vLLM's counters, and tokens per target
+    forward with its standard error over the prompts, as benchmarks/quality.py reports them."""
+    from nestling.evaluate.vllm_engine import summarize_run
+    from quality import per_forward, per_forward_from_counters, per_forward_se  # this script's folder
+
     r = {**summarize_run(d, k), "k": k, "tokens": d["tokens"]}
-    return {**r, "tokens_per_forward": per_forward(r), "tokens_per_forward_from_counters": per_forward_from_counters(r)}
+    return {
+        **r,
+        "tokens_per_forward": per_forward(r),
+        "tokens_per_forward_se": per_forward_se(r),
+        "tokens_per_forward_from_counters": per_forward_from_counters(r),
+    }
 
 
 def eagle_runs(

@@ -215,6 +215,14 @@ def test_eval_reference_report(tiny, draft_dir, tmp_path, capsys):
     assert r["draftable_share"] == inside and r["num_accepted_tokens"] <= inside * len(tokens)
     md = (tmp_path / "e" / "report.md").read_text()
     assert f"| {100 * inside:.1f}% |" in md
+    # each prompt's forwards, in prompt order (1 to k + 1 tokens each), and the standard error from them
+    from nestling.evaluate.standard_error import plus_minus, ratio_standard_error
+
+    assert len(r["forwards"]) == 2 and sum(r["forwards"]) == r["target_forwards"]
+    assert all(n <= len(o) <= 3 * n for o, n in zip(r["outputs"], r["forwards"]))
+    se = ratio_standard_error([len(o) for o in r["outputs"]], r["forwards"])
+    assert se is not None and r["tokens_per_forward_se"] == se
+    assert f"| {plus_minus(r['mean_tokens_per_target_forward'], se)} |" in md and " ± " in md
     assert "reference: greedy output identical to the target alone on 2 of 2 prompts (100%)." in md
     for f in ("report.json", "report.md", "acceptance.png", "manifest.json"):
         assert (tmp_path / "e" / f).exists()

@@ -19,6 +19,7 @@ import pytest
 
 from eagle_helpers import PROMPTS, fit_step0, make_train_dir, render
 from nestling.errors import NestlingError
+from nestling.evaluate.standard_error import ratio_standard_error
 from nestling.evaluate.vllm_engine import run_vllm
 from nestling.export.run import export
 from nestling.export.settings import ExportSettings
@@ -71,6 +72,8 @@ def test_forwards_counted_per_prompt_equal_the_drafts_verified(fitted):
     assert 1.0 < d["mean_tokens_per_target_forward"] <= K + 1
     assert d["mean_tokens_per_target_forward"] <= _quality().per_forward_from_counters(d)
     assert _quality().per_forward(d) == d["mean_tokens_per_target_forward"]
+    se = ratio_standard_error([len(o) for o in d["outputs"]], d["forwards"])  # over these prompts' counts
+    assert se is not None and d["tokens_per_forward_se"] == se == _quality().per_forward_se(d)
 
 
 @pytest.mark.vllm
@@ -83,6 +86,7 @@ def test_a_short_max_tokens_counts_the_forwards_the_counters_overshoot(fitted):
     assert d["tokens"] == 2 * n and d["num_accepted_tokens"] > 0  # accepted, never emitted
     assert _quality().per_forward(d) == 1.0  # the benchmark's figure (from the counters it read 4.0 here)
     assert d["forwards"] == [2] * n and d["mean_tokens_per_target_forward"] == 1.0  # the eval stage's
+    assert d["tokens_per_forward_se"] == 0.0  # every prompt the same 1.0: no spread
     old = _quality().per_forward_from_counters(d)
     print(f"[max_tokens 2] counted 1.000, from the counters {old:.3f}")
     assert old > 1.0

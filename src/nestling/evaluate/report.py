@@ -5,12 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from nestling.evaluate.settings import drafting_note
+from nestling.evaluate.standard_error import plus_minus
 from nestling.manifest import atomic_write_json
+
+
+SE_NOTE = (
+    "± is the standard error over the prompts: two drafts measured on the same prompts differ resolvably when "
+    "they differ by more than about 2·sqrt(se1² + se2²) (conservative; docs/eval.md)."
+)
 
 
 def markdown(report: dict) -> str:
     rows = [
-        "| engine | acceptance length | tokens per target forward | "
+        "| engine | acceptance length | tokens per target forward ± s.e. | "
         + " | ".join(f"pos {i + 1}" for i in range(report["k"]))
         + " | tok/s draft | tok/s target alone | speedup | greedy identical | in draft vocabulary |",
         "|---|---|---|" + "---|" * report["k"] + "---|---|---|---|---|",
@@ -19,8 +26,9 @@ def markdown(report: dict) -> str:
         pos = " | ".join(f"{p:.3f}" for p in r["per_position"])
         same, inside = r.get("identical_share"), r.get("draftable_share")
         per_forward = r.get("mean_tokens_per_target_forward")  # absent from vLLM reports before it was counted
+        tpf = "-" if per_forward is None else plus_minus(per_forward, r.get("tokens_per_forward_se"))
         rows.append(
-            f"| {name} | {r['acceptance_length']:.3f} | {'-' if per_forward is None else f'{per_forward:.3f}'} | "
+            f"| {name} | {r['acceptance_length']:.3f} | {tpf} | "
             f"{pos} | {r['tokens_per_s']:.1f} | "
             f"{r.get('baseline_tokens_per_s', float('nan')):.1f} | {r.get('speedup', float('nan')):.2f} | "
             f"{'-' if same is None else f'{100 * same:.0f}%'} | "
@@ -32,6 +40,8 @@ def markdown(report: dict) -> str:
         f"temperature {report['temperature']}{_drafting(report)}\n\n"
     )
     notes = [identical_note(name, r) for name, r in report["engines"].items() if r.get("identical_share") is not None]
+    if any(r.get("tokens_per_forward_se") is not None for r in report["engines"].values()):
+        notes.insert(0, SE_NOTE)
     return head + "\n".join(rows) + "\n" + "".join(f"\n{n}\n" for n in notes if n)
 
 

@@ -8,6 +8,7 @@ from nestling.config import to_dict
 from nestling import outdir
 from nestling.errors import NestlingError
 from nestling.evaluate.settings import EvalSettings, drafting_note, resolve
+from nestling.evaluate.standard_error import plus_minus, ratio_standard_error
 from nestling.manifest import MANIFEST, write_manifest
 from nestling.progress import Progress, log
 
@@ -51,6 +52,7 @@ def run_reference(
     dec = SpecDecoder(model, draft, s.k, s.temperature, eos, aux_layer_ids, s.draft_sample_method)
     total = SpecStats(s.k)
     outs: list[list[int]] = [[] for _ in prompts]
+    forwards = [0] * len(prompts)
     base_outs: list[list[int]] = [[] for _ in prompts]
     base_s = 0.0
     # in tokens of the budget (prompts x max_new_tokens; a finished prompt spends its whole share), so
@@ -66,7 +68,7 @@ def run_reference(
 
         o, stats, seconds = dec.generate_batch(group, s.max_new_tokens, seeds, on_progress=report)
         for i, oi, st in zip(idx, o, stats):
-            outs[i] = oi
+            outs[i], forwards[i] = oi, st.target_forwards
             total.add(st)
         total.seconds += seconds
         if s.baseline:
@@ -87,6 +89,8 @@ def run_reference(
         "tokens_per_s": total.new_tokens / max(total.seconds, 1e-9),
         "target_forwards": total.target_forwards,
         "mean_tokens_per_target_forward": total.new_tokens / max(total.target_forwards, 1),
+        "tokens_per_forward_se": ratio_standard_error([len(o) for o in outs], forwards),
+        "forwards": forwards,
         "outputs": outs,
         "device": s.device,
         "dtype": s.dtype,
@@ -137,7 +141,9 @@ def run_vllm_engine(target: Path, draft_dir: Path, prompts: list[list[int]], s: 
             "seconds",
             "tokens",
             "target_forwards",
+            "forwards",
             "mean_tokens_per_target_forward",
+            "tokens_per_forward_se",
         )
     }
     r["tokens_per_s"] = d["tokens"] / max(d["seconds"], 1e-9)
@@ -253,7 +259,8 @@ def _evaluate(draft_dir: Path, target_dir: Path, prompts: str | Path, out: Path,
     for name, r in engines.items():
         log(
             f"[eval] {name}: acceptance length {r['acceptance_length']:.3f}, "
-            f"{r['mean_tokens_per_target_forward']:.3f} tokens per target forward, per position "
+            f"{plus_minus(r['mean_tokens_per_target_forward'], r.get('tokens_per_forward_se'))} tokens per target "
+            "forward, per position "
             f"{', '.join(f'{p:.2f}' for p in r['per_position'])}, {r['tokens_per_s']:.1f} tok/s; "
             f"{100 * r['draftable_share']:.1f}% of the generated tokens are in the draft vocabulary"
         )

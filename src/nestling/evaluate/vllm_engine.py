@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 from nestling.errors import NestlingError
+from nestling.evaluate.standard_error import ratio_standard_error
 from nestling.evaluate.vllm_worker import PROGRESS
 from nestling.progress import log
 from nestling.targets.vllm_rules import engine_options
@@ -127,11 +128,12 @@ def summarize_metrics(m: dict, k: int) -> dict:
 
 def summarize_run(d: dict, k: int) -> dict:
     """One pass with a draft (the worker's `as_result` and counters) -> `summarize_metrics` plus tokens
-    per target forward over every decode step."""
+    per target forward over every decode step, with its standard error over the prompts."""
     return {
         **summarize_metrics(d["metrics"], k),
         "target_forwards": d["target_forwards"],
         "mean_tokens_per_target_forward": tokens_per_forward(d["outputs"], d["forwards"], k),
+        "tokens_per_forward_se": ratio_standard_error([len(o) for o in d["outputs"]], d["forwards"]),
     }
 
 
