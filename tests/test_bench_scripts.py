@@ -502,8 +502,10 @@ def test_gpu_recipe_grow_answers_the_new_conversations_then_trains_on_every_answ
     env.update(MORE="0", EXTRA="more more2")
     del env["MIX"]
     assert grow(1) == [trains_on([run, more, more2])]
-    # ANSWERS_OF=sampled: only the sampled answers of every set; an unknown choice is refused
+    # ANSWERS_OF=sampled: only the sampled answers of every set, which needs no ShareGPT wheel either;
+    # an unknown choice is refused
     env.update(ANSWERS_OF="sampled")
+    (b / "sharegpt.whl").unlink()
     sampled = ",".join(f"{d}/regenerate/sampled/messages.jsonl" for d in (run, more, more2))
     assert grow(1) == [trains_on([]).replace("inputs=", f"inputs={sampled}")]
     env.update(ANSWERS_OF="half")
