@@ -91,6 +91,17 @@ def measure(model, draft: Eagle3Draft, prompts: list[list[int]], answers: list[l
     }
 
 
+def generate(model, prompts: list[list[int]], max_new: int, t: float, eos: list[int]) -> tuple[list[list[int]], float]:
+    """The target's answers, prompt i sampled with seed i: all at once on a GPU; one prompt at a time on
+    a CPU, where a batch pads every prompt to the longest and that padded prefill dominates."""
+    from nestling.evaluate.specdec import target_generate_batch
+
+    if model.device.type != "cpu":
+        return target_generate_batch(model, prompts, max_new, t, eos, list(range(len(prompts))))
+    runs = [target_generate_batch(model, [p], max_new, t, eos, [i]) for i, p in enumerate(prompts)]
+    return [out[0] for out, _ in runs], sum(s for _, s in runs)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", required=True, help="an exported draft folder")
@@ -109,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from nestling.assets import smollm2_dir
     from nestling.evaluate.prompts import load_prompts
-    from nestling.evaluate.specdec import load_draft, target_generate_batch
+    from nestling.evaluate.specdec import load_draft
     from nestling.targets.load import load_model, load_tokenizer
 
     target = Path(args.target) if args.target else smollm2_dir()
@@ -120,10 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     result: dict = {"draft": str(args.draft), "prompts": str(args.prompts), "texts": {}}
     for t in args.text_temperatures:
-        # one prompt at a time: a batch pads every prompt to the longest, and prefill dominates on a CPU
-        runs = [target_generate_batch(model, [p], args.max_new_tokens, t, eos, [i]) for i, p in enumerate(prompts)]
-        answers = [out[0] for out, _ in runs]
-        seconds = sum(s for _, s in runs)
+        answers, seconds = generate(model, prompts, args.max_new_tokens, t, eos)
         print(
             f"[calibration] text at temperature {t:g}: {sum(map(len, answers))} tokens in {seconds:.0f}s",
             file=sys.stderr,

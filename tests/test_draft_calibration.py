@@ -88,3 +88,15 @@ def test_measure_adds_up_every_prompts_drafted_positions(tiny_target):
     agree = sum(int((ids[zq.argmax(-1)] == zp.argmax(-1)).sum()) for zq, zp in parts)
     assert math.isclose(r["greedy_agreement"], agree / 5)
     assert set(r["acceptance"]) == {"0.7,1", "0.7,1.5"} and all(0.0 <= v <= 1.0 for v in r["acceptance"].values())
+
+
+def test_answers_are_sampled_with_one_seed_per_prompt(tiny_target):
+    """Prompt i is answered with seed i: the texts, and so the figures, repeat from one run to the next."""
+    from nestling.evaluate.specdec import target_generate
+    from nestling.targets.load import load_model
+
+    target = tiny_target("llama")
+    model = load_model(target, dtype="float32")
+    prompts = render(target, PROMPTS[:3])
+    answers, _ = draft_calibration.generate(model, prompts, 6, 0.7, [])
+    assert answers == [target_generate(model, p, 6, 0.7, [], seed=i)[0] for i, p in enumerate(prompts)]
