@@ -27,9 +27,9 @@
 #                `packregen more` keeps the new answers, `stageregen more` brings them back from
 #                .dev/c/regen-more.tar.xz.*; a further slice: stageregen, stageregen more, then
 #                MIX=N+M MORE=K SET=more2 EXTRA=more ... grow; MORE=0 EXTRA="more more2" ... grow trains on the
-#                staged answers alone: another recipe or budget without regenerating, and without the ShareGPT
-#                wheel in .dev/b, so one call can carry .dev/b's gguf parts, .dev/c and .whl; ANSWERS_OF=sampled
-#                or =greedy trains on those answers of every set only, instead of both)
+#                staged answers alone: another recipe or budget without regenerating, which needs no ShareGPT
+#                wheel in .dev/b; ANSWERS_OF=sampled or =greedy trains on those answers of every set only,
+#                instead of both)
 #   then, as often as needed:                    bash benchmarks/gpu_recipe.sh wait [NAME]
 #                until it says done; results go to $OUT, the draft as draft.tar.* parts (cat, untar,
 #                measure with benchmarks/quality.py --draft); NAME: the `again` (or `grow`) run's instead
