@@ -184,15 +184,10 @@ def eagle_result(d: dict, k: int) -> dict:
     """One method's result from the worker's pass with the draft: vLLM's counters, and tokens per target
     forward with its standard error over the prompts, as benchmarks/quality.py reports them."""
     from nestling.evaluate.vllm_engine import summarize_run
-    from quality import per_forward, per_forward_from_counters, per_forward_se  # this script's folder
+    from quality import per_forward, per_forward_from_counters  # this script's folder
 
-    r = {**summarize_run(d, k), "k": k, "tokens": d["tokens"]}
-    return {
-        **r,
-        "tokens_per_forward": per_forward(r),
-        "tokens_per_forward_se": per_forward_se(r),
-        "tokens_per_forward_from_counters": per_forward_from_counters(r),
-    }
+    r = {**summarize_run(d, k), "k": k, "tokens": d["tokens"]}  # summarize_run gives tokens_per_forward_se
+    return {**r, "tokens_per_forward": per_forward(r), "tokens_per_forward_from_counters": per_forward_from_counters(r)}
 
 
 def eagle_runs(
