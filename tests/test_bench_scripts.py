@@ -514,6 +514,72 @@ def test_gpu_recipe_grow_answers_the_new_conversations_then_trains_on_every_answ
     assert r.returncode == 3 and "ANSWERS_OF=half" in r.stderr and not (tmp_path / "calls").exists()
 
 
+def test_gpu_recipe_starts_on_a_mix_built_here_and_grows_after_its_export(tmp_path):
+    """`MIXFILE=F gpu_recipe.sh start`: the run's input is that mix (xz or plain), so no ShareGPT wheel
+    travels; MIX beside it, or a missing file, is refused before anything is set up. `AFTER=export
+    MORE=0 ANSWERS_OF=sampled gpu_recipe.sh grow`, in the same step, is not refused for want of a
+    finished regeneration: its run waits for the first run's export, then trains on the sampled answers
+    from a copy of the code of its own, leaving the joined target alone."""
+    import lzma
+
+    home, work, out = tmp_path / "home", tmp_path / "checkout", tmp_path / "out"
+    run = home / "gpu-run"
+    (home / "stage").mkdir(parents=True)
+    (home / "stage" / "gguf.a").write_bytes(b"a" * 10)
+    b = work / ".dev" / "b"
+    b.mkdir(parents=True)
+    (b / "gguf.b").write_bytes(b"b" * 10)
+    (b / "gguf.md5").write_text(hashlib.md5(b"a" * 10 + b"b" * 10).hexdigest())
+    mix = '{"conversations": [{"from": "human", "value": "hi"}]}\n' * 3
+    (b / "mix.jsonl.xz").write_bytes(lzma.compress(mix.encode()))
+    for folder in (".whl", "src", "examples", "benchmarks"):
+        (work / folder).mkdir()
+    bin_dir = _fake_python(tmp_path)
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho a GPU\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    out.mkdir()
+    env = {**os.environ, "GPU_HOME": str(home), "OUT": str(out), "WAIT_SECONDS": "0", "MIXFILE": ".dev/b/mix.jsonl.xz"}
+    env["PATH"] = f"{bin_dir}:{os.environ['PATH']}"
+    script = ["bash", str(ROOT / "benchmarks" / "gpu_recipe.sh")]
+    start = script + ["start", "train.steps=500", "--until", "export"]
+    calls = tmp_path / "calls"
+
+    def recorded(n: int, tries: int = 150) -> list[str]:
+        for _ in range(tries):  # the runs start in the background; grow's waits up to 5 s more
+            if calls.exists() and len(lines := calls.read_text().splitlines()) >= n:
+                return lines
+            time.sleep(0.1)
+        return calls.read_text().splitlines() if calls.exists() else []
+
+    for bad, says in ({"MIX": "5000"}, "give one input"), ({"MIXFILE": "none.xz"}, "none.xz is missing"):
+        r = subprocess.run(start, cwd=work, env={**env, **bad}, capture_output=True, text=True)
+        assert r.returncode == 3 and says in r.stderr and not calls.exists() and not (home / "repo").exists()
+    r = subprocess.run(start, cwd=work, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (home / "mix.jsonl").read_text() == mix
+    first = f"-m nestling run examples/gpu.yaml run_dir={run} inputs={home}/mix.jsonl train.steps=500 --until export"
+    assert recorded(2)[1] == first  # after the gguf reader's install
+    target = home / "nestling-cache" / "assets" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert target.read_bytes() == b"a" * 10 + b"b" * 10
+    joined = target.stat().st_mtime_ns
+    grow = {**env, "AFTER": "export", "MORE": "0", "ANSWERS_OF": "sampled"}
+    del grow["MIXFILE"]
+    r = subprocess.run(
+        script + ["grow", "train.steps=500", "--until", "export"], cwd=work, env=grow, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    assert len(recorded(4, tries=20)) == 3  # the second install, no training: the first run is not done
+    (run / "state").mkdir(parents=True)
+    for stage in ("regenerate", "export"):
+        (run / "state" / f"{stage}.json").write_text('{"status": "complete"}')
+    assert recorded(4)[3] == (
+        f"-m nestling run examples/gpu.yaml run_dir={run}-grow regenerate=false"
+        f" inputs={run}/regenerate/sampled/messages.jsonl train.steps=500 --until export"
+    )
+    assert (home / "repo-grow" / "src").is_dir() and (home / "repo" / "src").is_dir()
+    assert target.stat().st_mtime_ns == joined
+
+
 def test_vllm_cpu_sampling_eagle_drafts_the_k_asked_for(monkeypatch):
     """`--eagle DRAFT --k 5`: each draft-sample-method worker is started with K = 5 (it drafted 3
     whatever --k said), and the report keeps each worker's own answer under its method."""
