@@ -199,8 +199,12 @@ def test_a_template_that_builds_gigabytes_is_a_counted_template_error(tiny, tmp_
         )  # fmt: skip
     assert rc == 0 and "Traceback" not in err, err[-2000:]
     m = json.loads((tmp_path / "d" / "manifest.json").read_text())
-    assert m["counts"]["kept"] == 2 and m["counts"]["dropped"] == {"template_error": 1}
-    assert "MemoryError" in m["examples"]["template_error"][0] or "TemplateTimeout" in str(m["examples"])
+    # whichever bound a machine hits first counts it: the 2 GB of address space, or on a slow or loaded
+    # CPU the 5 CPU seconds before the string reaches it
+    says = {"template_error": "MemoryError", "template_timeout": "template_timeout="}
+    (reason,) = m["counts"]["dropped"]
+    assert m["counts"]["kept"] == 2 and m["counts"]["dropped"] == {reason: 1} and reason in says
+    assert says[reason] in str(m["examples"][reason]), m["examples"]
     assert resource.getrlimit(resource.RLIMIT_AS) == limit  # restored after each render
     grown_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert grown_kb < 3 * 2**20  # the peak grew by less than 3 GB (the bound is 2 GB of address space)
