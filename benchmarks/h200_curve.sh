@@ -106,7 +106,7 @@ pack_sampled() {  # each run's finished sampled set (data=regen+sM: ~13 minutes 
   done
 }
 tree_bytes() {  # what travels to the host by default: tracked and untracked-not-ignored files, counted in
-  # whole blocks as a disk holds them (a step cut to fit by bytes, 215 KB to spare, was refused as over 64 MiB)
+  # whole blocks as a disk holds them: a size limit that counts so finds more than the bytes
   git ls-files -z --cached --others --exclude-standard | du -c -B1 --files0-from=- 2>/dev/null | tail -1 | cut -f1
 }
 case "$1" in
