@@ -61,6 +61,9 @@ class BatchTarget:
     appends the same number of columns to every row; `keep` then marks which of them stay part of the
     row's sequence (a rejected draft's column stays in the cache as a masked hole: rows accept different
     counts, and the cache is one tensor). Positions are each row's own, so a hole shifts nothing.
+    A target with sliding-window layers (Gemma-3, gpt-oss, Mistral) measures its window in columns, which
+    holes would shrink, and its cache would drop columns still inside the window: for such a target the
+    cache keeps every column and the masks are built here, by position (`_masks`).
     The aux states are the inputs of the aux layers (HF `hidden_states[i]`), caught by forward hooks."""
 
     def __init__(self, model, aux_layer_ids: list[int]):
@@ -77,6 +80,8 @@ class BatchTarget:
         self.device = model.device
         self.cache: Any = None
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # each column's position
+        self.window, self.per_type = sliding_window(model.config)
 
     @torch.no_grad()
     def _forward(
@@ -84,8 +89,9 @@ class BatchTarget:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         from transformers import DynamicCache
 
-        if self.cache is None:
-            self.cache = DynamicCache(config=self.model.config)
+        if self.cache is None:  # a sliding window's cache drops columns: every layer keeps them all here
+            self.cache = DynamicCache() if self.window else DynamicCache(config=self.model.config)
+        self.positions = torch.cat([self.positions, pos], dim=1)
         got: dict[int, torch.Tensor] = {}
         hooks = [
             self.layers[i].register_forward_pre_hook(
@@ -97,7 +103,7 @@ class BatchTarget:
         try:
             out = self.model(
                 input_ids=ids,
-                attention_mask=self.mask,
+                attention_mask=self._masks(pos) if self.window else self.mask,
                 position_ids=pos,
                 past_key_values=self.cache,
                 use_cache=True,
@@ -121,6 +127,7 @@ class BatchTarget:
             pos[b, P - len(p) :] = torch.arange(len(p))
             mask[b, P - len(p) :] = 1
         self.cache, self.mask = None, mask.to(self.device)
+        self.positions = pos[:, :0].to(self.device)
         logits, states = self._forward(ids.to(self.device), pos.to(self.device), 1, aux)
         return logits[:, -1], states
 
@@ -137,7 +144,31 @@ class BatchTarget:
     def select(self, rows: torch.Tensor) -> None:
         """Keep only `rows` of the batch."""
         self.cache.batch_select_indices(rows)
-        self.mask = self.mask[rows]
+        self.mask, self.positions = self.mask[rows], self.positions[rows]
+
+    def _masks(self, pos: torch.Tensor) -> Any:
+        """The queries' ([B, T] positions) 4-D masks over every column, by position: causal over the
+        row's kept columns, and within the window for sliding layers; a query that sees no column (a
+        padding row) sees them all instead, as transformers does, so no NaN enters the cache."""
+        assert self.window is not None
+        q, k = pos[:, None, :, None], self.positions[:, None, None, :]
+        full = self.mask.bool()[:, None, None, :] & (k <= q)
+        sliding = full & (k > q - self.window)
+        full, sliding = (m | ~m.any(-1, keepdim=True) for m in (full, sliding))
+        return {"full_attention": full, "sliding_attention": sliding} if self.per_type else sliding
+
+
+def sliding_window(config: Any) -> tuple[int | None, bool]:
+    """(the window, whether the masks go per layer type), or (None, False) for a target without one.
+    Per type where `layer_types` names sliding layers (Gemma-3, gpt-oss; such models take a dict of
+    masks); a `sliding_window` without layer types (Mistral) slides every layer."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window:
+        return None, False
+    if types is not None:
+        return (window, True) if "sliding_attention" in types else (None, False)
+    return window, False
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
