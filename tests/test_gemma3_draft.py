@@ -1,8 +1,9 @@
 """A draft for a Gemma-3 target (sliding-window and full attention layers, GELU, rope parameters per
 layer type) on the tiny random-weight Gemma-3: the draft derived from it is a plain Llama layer vLLM can
 build (one flat rope with the full-attention layers' theta, SiLU), and where the installed vLLM cannot
-serve an EAGLE-3 draft beside the target (vLLM 0.32's Gemma3ForCausalLM has no SupportsEagle3), eval says
-so and measures with the reference decoder instead of failing inside the engine."""
+serve an EAGLE-3 draft beside the target (vLLM 0.32's Gemma3ForCausalLM has no SupportsEagle3, and
+nestling's plugin that adds it is turned off: VLLM_PLUGINS=), eval says so and measures with the
+reference decoder instead of failing inside the engine. With the plugin: tests/test_vllm_plugin.py."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def test_draft_of_a_gemma3_target_takes_the_full_attention_rope_and_silu(tiny_ta
 
 
 def _vllm_serves_eagle3_beside(arch: str) -> bool:
-    """vLLM's own answer, asked in a process of its own (vLLM keeps global state)."""
+    """vLLM's own answer without plugins, asked in a process of its own (vLLM keeps global state)."""
     code = (
         "import sys\nfrom vllm.model_executor.models import ModelRegistry\n"
         "from vllm.model_executor.models.interfaces import supports_eagle3\n"
@@ -50,7 +51,7 @@ def _vllm_serves_eagle3_beside(arch: str) -> bool:
 @pytest.mark.vllm
 @pytest.mark.parametrize("engine", ["vllm", "both"])
 def test_eval_in_vllm_beside_a_target_vllm_cannot_serve_measures_with_the_reference_decoder(
-    tiny_target, tmp_path, capsys, engine
+    tiny_target, tmp_path, capsys, monkeypatch, engine
 ):
     from nestling.evaluate.run import evaluate
     from nestling.evaluate.settings import EvalSettings
@@ -59,6 +60,7 @@ def test_eval_in_vllm_beside_a_target_vllm_cannot_serve_measures_with_the_refere
 
     if _vllm_serves_eagle3_beside("Gemma3ForCausalLM"):
         pytest.skip("this vLLM serves EAGLE-3 beside Gemma-3: nothing to fall back from")
+    monkeypatch.setenv("VLLM_PLUGINS", "")  # nestling's plugin off: vLLM's own Gemma3ForCausalLM
     target = tiny_target("gemma3")
     draft = export(make_train_dir(new_draft(target, AUX), tmp_path / "t"), tmp_path / "d", ExportSettings())
     prompts = tmp_path / "p.jsonl"
@@ -70,3 +72,4 @@ def test_eval_in_vllm_beside_a_target_vllm_cannot_serve_measures_with_the_refere
     err = capsys.readouterr().err
     assert "the reference decoder measures this draft instead of vLLM" in err
     assert "Gemma3ForCausalLM does not implement SupportsEagle3" in err
+    assert "nestling's vLLM plugin adds the interface, but vLLM did not load it here" in err

@@ -1,6 +1,8 @@
 """`nestling plan`'s vLLM line: whether the vLLM installed here can serve an EAGLE-3 draft beside the
 target, asked of the real vLLM (its model registry; the CPU build's MLA limits in targets/vllm_rules.py),
-and what plan says where vLLM cannot be imported or the user asked for no check.
+and what plan says where vLLM cannot be imported or the user asked for no check. Gemma-3 is served
+through nestling's vLLM plugin (export/vllm_plugin.py); with the plugin off (VLLM_PLUGINS=) it is the
+case of a class vLLM cannot serve a draft beside.
 
 Plan runs in a process of its own here (vLLM keeps global state); the targets are config.json-only
 folders of the tiny test targets' configs (targets/tiny.py): plan reads nothing else."""
@@ -8,6 +10,7 @@ folders of the tiny test targets' configs (targets/tiny.py): plan reads nothing 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,11 +54,13 @@ def config_only(tmp_path: Path, arch: str, **extra) -> str:
     return str(d)
 
 
-def run_plan(tmp_path: Path, targets: list[str], flags=(), prelude: str = "", registry: str = "") -> dict:
+def run_plan(
+    tmp_path: Path, targets: list[str], flags=(), prelude: str = "", registry: str = "", env: dict | None = None
+) -> dict:
     result = tmp_path / "result.json"
     code = SCRIPT.format(prelude=prelude, registry=registry)
     cmd = [sys.executable, "-c", code, *targets, json.dumps(list(flags)), str(result)]
-    subprocess.run(cmd, check=True, timeout=600)
+    subprocess.run(cmd, check=True, timeout=600, env={**os.environ, **(env or {})})
     return json.loads(result.read_text())
 
 
@@ -72,14 +77,19 @@ def test_plan_says_which_targets_the_installed_vllm_serves_an_eagle3_draft_besid
     gemma3, llama = config_only(tmp_path, "gemma3"), config_only(tmp_path, "llama")
     mla = config_only(tmp_path, "deepseek_v3")
     int4_moe = config_only(tmp_path, "qwen3_moe", quantization_config=W4A16)  # Kimi-K2.5's INT4 experts
-    out = run_plan(tmp_path, [gemma3, llama, mla, int4_moe], registry=REGISTRY)
+    no_plugin = {"VLLM_PLUGINS": ""}  # vLLM's own classes
+    out = run_plan(tmp_path, [gemma3, llama, mla, int4_moe], registry=REGISTRY, env=no_plugin)
     if out["gemma3_supports_eagle3"]:
         pytest.skip("this vLLM serves EAGLE-3 beside Gemma-3: no case for plan to report")
     version, on_cpu = out["version"], not torch.cuda.is_available()
     head = f"vLLM        {version} installed here"
 
     # Gemma-3: vLLM's registry says its class lacks SupportsEagle3; eval falls back to the reference decoder
-    why = f"vLLM {version}'s Gemma3ForCausalLM does not implement SupportsEagle3: it cannot serve an EAGLE-3 draft"
+    why = (
+        f"vLLM {version}'s Gemma3ForCausalLM does not implement SupportsEagle3: it cannot serve an EAGLE-3 draft "
+        "(nestling's vLLM plugin adds the interface, but vLLM did not load it here: VLLM_PLUGINS leaves out "
+        "`nestling`, or nestling is not installed as a package: pip install -e .)"
+    )
     dtype = "float32" if on_cpu else "bfloat16"  # what eval's dtype auto picks here
     fallback = f"eval falls back to nestling's reference decoder ({dtype}; docs/eval.md)"
     assert vllm_line(out[gemma3]) == f"{head} cannot serve an EAGLE-3 draft beside this target: {why}; {fallback}"
@@ -99,6 +109,10 @@ def test_plan_says_which_targets_the_installed_vllm_serves_an_eagle3_draft_besid
     assert vllm_line(out[llama]) == serves
     js = json.loads(out[llama + "--json"])["vllm"]
     assert js["serves_eagle3"] is True and js["why"] is None and js["eval"] == "eval measures in vLLM (engine auto)"
+
+    # Gemma-3 with nestling's plugin on, as vLLM loads it by default: served
+    on = run_plan(tmp_path, [gemma3])
+    assert vllm_line(on[gemma3]) == serves and json.loads(on[gemma3 + "--json"])["vllm"]["serves_eagle3"] is True
 
     if on_cpu:  # the CPU build's limits, in targets/vllm_rules.py's words
         line = vllm_line(out[mla])

@@ -132,12 +132,16 @@ def eagle3_unsupported(target: str | dict) -> str | None:
     """Why this vLLM cannot run an EAGLE-3 draft beside `target` (its folder, or its config.json as a
     dict: `nestling plan` asks before anything loads), or None. vLLM reads the draft's aux
     hidden states through its model class's `SupportsEagle3` interface; a class without it (Gemma-3 in
-    vLLM 0.32) fails at load ("Model does not support EAGLE3 interface"). Asked of vLLM's own registry,
-    so a later vLLM that adds the interface passes; a registry this code cannot read passes too (vLLM
-    then says itself)."""
+    vLLM 0.32) fails at load ("Model does not support EAGLE3 interface"). Asked of vLLM's own registry
+    after its plugins load, as the engine loads them: nestling's plugin (export/vllm_plugin.py) gives
+    Gemma-3 the interface unless VLLM_PLUGINS leaves it out, and a later vLLM that adds the interface
+    passes; a registry this code cannot read passes too (vLLM then says itself)."""
     try:
         from vllm.model_executor.models import ModelRegistry
         from vllm.model_executor.models.interfaces import supports_eagle3
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()
 
         config = target if isinstance(target, dict) else json.loads((Path(target) / "config.json").read_text())
         archs = config.get("architectures") or []
@@ -148,8 +152,16 @@ def eagle3_unsupported(target: str | dict) -> str | None:
         return None
     import vllm
 
+    from nestling.export.vllm_plugin import CLASSES, PLUGIN
+
     names = ", ".join(c.__name__ for c in classes)
-    return f"vLLM {vllm.__version__}'s {names} does not implement SupportsEagle3: it cannot serve an EAGLE-3 draft"
+    why = f"vLLM {vllm.__version__}'s {names} does not implement SupportsEagle3: it cannot serve an EAGLE-3 draft"
+    if set(archs) & set(CLASSES):
+        why += (
+            f" (nestling's vLLM plugin adds the interface, but vLLM did not load it here: VLLM_PLUGINS leaves "
+            f"out `{PLUGIN}`, or nestling is not installed as a package: pip install -e .)"
+        )
+    return why
 
 
 def run(spec: dict) -> dict:

@@ -1,0 +1,139 @@
+"""nestling's vLLM plugin (export/vllm_plugin.py) in the real engine (CPU build): an EAGLE-3 draft beside
+a tiny random-weight Gemma-3, whose vLLM 0.32 class lacks SupportsEagle3.
+
+- With the plugin (installed with nestling, loaded by vLLM itself), the engine serves the draft: greedy
+  outputs equal the target's alone, and vLLM's acceptance counts equal nestling's reference decoder's
+  exactly (which a wrong layer, embedding scale or rope inside the engine would break).
+- The states vLLM hands the draft at serving time are nestling's hf capture at the draft's layer ids,
+  and not the capture at ids shifted by one (the plugin's layer numbering is nestling's).
+- With the plugin turned off (`VLLM_PLUGINS=`), nestling's check says vLLM cannot serve the draft.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle_helpers import PROMPTS, fit_step0, make_train_dir, render
+from nestling.export.run import export
+from nestling.export.settings import ExportSettings
+
+pytestmark = pytest.mark.vllm
+
+AUX = [1, 3, 4]  # the tiny Gemma-3 has 6 layers: ids shifted by -1 and +1 exist too
+K = 3
+NEW = 24
+
+
+def _env(**extra: str) -> dict[str, str]:
+    import nestling
+
+    return dict(
+        os.environ,
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join([str(Path(nestling.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+        **extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def probe(tiny_target, tmp_path_factory):
+    target = tiny_target("gemma3")
+    root = tmp_path_factory.mktemp("gemma3")
+    prompts = render(target, PROMPTS[:3])
+    fitted = fit_step0(target, prompts, AUX, steps=150, new_tokens=NEW)
+    draft = export(make_train_dir(fitted, root / "train"), root / "draft", ExportSettings(dtype="float32"))
+    spec = dict(
+        target=str(target),
+        drafts=[str(draft)],
+        k=K,
+        prompts=prompts,
+        max_new_tokens=NEW,
+        temperature=0.0,
+        dtype="float32",
+        max_model_len=512,
+        seed=0,
+        baseline=True,
+        ignore_eos=True,
+    )
+    (root / "spec.json").write_text(json.dumps(spec))
+    script = Path(__file__).with_name("vllm_layer_probe.py")
+    args = [sys.executable, str(script), *(str(root / f) for f in ("spec.json", "result.json", "states.safetensors"))]
+    r = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = json.loads((root / "result.json").read_text())
+    return dict(target=target, draft=draft, prompts=prompts, res=res, states=root / "states.safetensors")
+
+
+def test_vllm_serves_the_draft_beside_gemma3_and_accepts_as_the_reference_decoder(probe):
+    from nestling.evaluate.specdec import SpecDecoder, SpecStats, load_draft
+    from nestling.evaluate.vllm_engine import summarize_metrics
+    from nestling.targets.load import load_model
+
+    assert "cannot_serve" not in probe["res"], probe["res"].get("cannot_serve")
+    base = probe["res"]["baseline"]["outputs"]
+    d = probe["res"]["drafts"][0]
+    assert all(len(o) == NEW for o in base)
+    assert d["outputs"] == base  # fp32 greedy: the draft changes nothing
+    model = load_model(probe["target"], dtype="float32")
+    dec = SpecDecoder(model, load_draft(probe["draft"], model), k=K)
+    ref = SpecStats(K)
+    for prompt, want in zip(probe["prompts"], base):
+        out, st = dec.generate(prompt, NEW)
+        assert out == want
+        ref.add(st)
+    v = summarize_metrics(d["metrics"], K)
+    print(f"[gemma3] vLLM {v['acceptance_length']:.3f} {v['accepted_per_pos']}, reference {ref.accepted_per_pos}")
+    assert v["acceptance_length"] > 1.3  # the fitted draft was read and fed the right states
+    assert (v["num_drafts"], v["accepted_per_pos"]) == (ref.num_drafts, ref.accepted_per_pos)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_the_states_vllm_feeds_the_draft_are_nestlings_layer_ids(probe):
+    from safetensors.torch import load_file
+
+    from nestling.capture.hf import HFBackend
+    from nestling.capture.settings import CaptureSettings
+
+    fed = load_file(str(probe["states"]))["prefill"]  # [T, 3H] in eagle_aux_hidden_state_layer_ids order
+    prompt = probe["prompts"][0]
+    H = json.loads((probe["target"] / "config.json").read_text())["hidden_size"]
+    fed = fed.view(len(prompt), len(AUX), H)
+
+    def capture(ids: list[int]) -> torch.Tensor:
+        b = HFBackend(probe["target"], ids, CaptureSettings(dtype="float32", device="cpu"))
+        try:
+            return b.capture([prompt]).float()  # [T, len(ids), H]
+        finally:
+            b.close()
+
+    same = [_rel(fed[:, j], c) for j, c in enumerate(capture(AUX).unbind(1))]
+    print(f"[gemma3 layer ids] relative error at {AUX}: {same}")
+    assert max(same) < 1e-4, same
+    for shift in (-1, 1):
+        errs = [_rel(fed[:, j], c) for j, c in enumerate(capture([i + shift for i in AUX]).unbind(1))]
+        assert min(errs) > 1e-2, (shift, errs)
+
+
+def test_with_the_plugin_off_nestling_says_vllm_cannot_serve_gemma3(tiny_target):
+    target = tiny_target("gemma3")
+    code = f"from nestling.evaluate.vllm_worker import eagle3_unsupported as u; print(repr(u({str(target)!r})))"
+    lines = {}
+    for plugins in ("", "nestling"):
+        r = subprocess.run([sys.executable, "-c", code], env=_env(VLLM_PLUGINS=plugins), capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        lines[plugins] = r.stdout.strip().splitlines()[-1]
+    assert "Gemma3ForCausalLM does not implement SupportsEagle3" in lines[""]
+    assert lines["nestling"] == "None"
