@@ -20,15 +20,12 @@ the target alone, then the target with a full-vocabulary nestling draft, while t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from eagle_helpers import PROMPTS, fit_step0, make_train_dir, new_draft, render
+from vllm_probe import layer_id_errors, rel, run_probe
 from nestling.export.run import export
 from nestling.export.settings import ExportSettings
 
@@ -42,8 +39,6 @@ NORMS = {"fc_norm": True, "norm_output": True, "norm_before_residual": True}  # 
 
 @pytest.fixture(scope="module")
 def probe(tiny_target, tmp_path_factory):
-    import nestling
-
     target = tiny_target("llama")
     root = tmp_path_factory.mktemp("probe")
     full = new_draft(target, AUX, draft_vocab_size=49152, seed=3)  # the whole vocabulary
@@ -53,44 +48,7 @@ def probe(tiny_target, tmp_path_factory):
     deep_dir = export(make_train_dir(deep, root / "train2"), root / "draft2", ExportSettings(dtype="float32"))
     normed = fit_step0(target, prompts, AUX, steps=150, new_tokens=NEW, norms=NORMS)
     normed_dir = export(make_train_dir(normed, root / "train3"), root / "draft3", ExportSettings(dtype="float32"))
-    spec = dict(
-        target=str(target),
-        drafts=[str(draft), str(deep_dir), str(normed_dir)],
-        k=K,
-        prompts=prompts,
-        max_new_tokens=NEW,
-        temperature=0.0,
-        dtype="float32",
-        max_model_len=512,
-        seed=0,
-        baseline=True,
-        ignore_eos=True,
-    )
-    (root / "spec.json").write_text(json.dumps(spec))
-    env = dict(
-        os.environ,
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        TOKENIZERS_PARALLELISM="false",
-        HF_HUB_OFFLINE="1",
-        PYTHONPATH=os.pathsep.join([str(Path(nestling.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
-    )
-    script = Path(__file__).with_name("vllm_layer_probe.py")
-    r = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            str(root / "spec.json"),
-            str(root / "result.json"),
-            str(root / "states.safetensors"),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    res = json.loads((root / "result.json").read_text())
+    res = run_probe(target, [draft, deep_dir, normed_dir], prompts, root, K, NEW)
     return dict(
         target=target,
         draft=draft,
@@ -179,10 +137,6 @@ def test_fitted_draft_loads_and_accepts_as_the_reference_decoder(probe, which):
         assert (off.num_drafts, off.accepted_per_pos) != (ref.num_drafts, ref.accepted_per_pos)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
 def test_draft_norms_compute_what_vllm_computes(probe):
     """The normed draft's prefill of prompt 0 inside vLLM, recomputed by nestling's draft from vLLM's
     own inputs: `combine` (fc_norm) = vLLM's `combine_hidden_states`; `norm(h)` (norm_before_residual
@@ -208,9 +162,9 @@ def test_draft_norms_compute_what_vllm_computes(probe):
         with torch.no_grad():
             h = draft.step(v["ids"][None], v["hidden_in"][None], v["positions"][None], KVCache())[0]
             return {
-                "fc_norm": _rel(draft.combine(v["combine_in"]), v["combine_out"]),
-                "norm_before_residual": _rel(draft.norm(h), v["hidden_out"]),
-                "norm_output": _rel(draft.next_hidden(h), v["aux_out"]),
+                "fc_norm": rel(draft.combine(v["combine_in"]), v["combine_out"]),
+                "norm_before_residual": rel(draft.norm(h), v["hidden_out"]),
+                "norm_output": rel(draft.next_hidden(h), v["aux_out"]),
             }
 
     errs = nestling()
@@ -227,28 +181,16 @@ def test_layer_ids_vllm_feeds_the_trained_layers_direct(probe):
     (slot by slot, fp32), and != the capture at ids shifted by -1 or +1 (so the test can fail)."""
     from safetensors.torch import load_file
 
-    from nestling.capture.hf import HFBackend
-    from nestling.capture.settings import CaptureSettings
-
     assert probe["states"].exists(), f"no prefill call recorded; calls: {probe['res']['combine_calls']}"
     fed = load_file(str(probe["states"]))["prefill"]  # [T, 3H] in eagle_aux_hidden_state_layer_ids order
     prompt = probe["prompts"][0]
     T, H = len(prompt), 128
     assert fed.shape == (T, len(AUX) * H)
     fed = fed.view(T, len(AUX), H)
-
-    def capture(ids: list[int]) -> torch.Tensor:
-        b = HFBackend(probe["target"], ids, CaptureSettings(dtype="float32", device="cpu"))
-        try:
-            return b.capture([prompt]).float()  # [T, len(ids), H]
-        finally:
-            b.close()
-
-    same = [_rel(fed[:, j], c) for j, c in enumerate(capture(AUX).unbind(1))]
+    same = layer_id_errors(probe["target"], prompt, fed, AUX)
     print(f"[layer ids] relative error at nestling's ids {AUX}: {same}")
     assert max(same) < 1e-4, same
     for shift in (-1, 1):
-        moved = capture([i + shift for i in AUX])
-        errs = [_rel(fed[:, j], c) for j, c in enumerate(moved.unbind(1))]
+        errs = layer_id_errors(probe["target"], prompt, fed, [i + shift for i in AUX])
         print(f"[layer ids] ... at ids {[i + shift for i in AUX]}: {errs}")
         assert min(errs) > 1e-2, (shift, errs)  # every slot is clearly another layer

@@ -12,15 +12,11 @@ What `nestling plan` says with the plugin on and off: tests/test_plan_serving.py
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import torch
 
 from eagle_helpers import PROMPTS, fit_step0, make_train_dir, render
+from vllm_probe import layer_id_errors, run_probe
 from nestling.export.run import export
 from nestling.export.settings import ExportSettings
 
@@ -31,19 +27,6 @@ K = 3
 NEW = 24
 
 
-def _env() -> dict[str, str]:
-    import nestling
-
-    return dict(
-        os.environ,
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        TOKENIZERS_PARALLELISM="false",
-        HF_HUB_OFFLINE="1",
-        PYTHONPATH=os.pathsep.join([str(Path(nestling.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
-    )
-
-
 @pytest.fixture(scope="module")
 def probe(tiny_target, tmp_path_factory):
     target = tiny_target("gemma3")
@@ -51,25 +34,7 @@ def probe(tiny_target, tmp_path_factory):
     prompts = render(target, PROMPTS[:3])
     fitted = fit_step0(target, prompts, AUX, steps=150, new_tokens=NEW)
     draft = export(make_train_dir(fitted, root / "train"), root / "draft", ExportSettings(dtype="float32"))
-    spec = dict(
-        target=str(target),
-        drafts=[str(draft)],
-        k=K,
-        prompts=prompts,
-        max_new_tokens=NEW,
-        temperature=0.0,
-        dtype="float32",
-        max_model_len=512,
-        seed=0,
-        baseline=True,
-        ignore_eos=True,
-    )
-    (root / "spec.json").write_text(json.dumps(spec))
-    script = Path(__file__).with_name("vllm_layer_probe.py")
-    args = [sys.executable, str(script), *(str(root / f) for f in ("spec.json", "result.json", "states.safetensors"))]
-    r = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-4000:]
-    res = json.loads((root / "result.json").read_text())
+    res = run_probe(target, [draft], prompts, root, K, NEW)
     return dict(target=target, draft=draft, prompts=prompts, res=res, states=root / "states.safetensors")
 
 
@@ -96,31 +61,16 @@ def test_vllm_serves_the_draft_beside_gemma3_and_accepts_as_the_reference_decode
     assert (v["num_drafts"], v["accepted_per_pos"]) == (ref.num_drafts, ref.accepted_per_pos)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
 def test_the_states_vllm_feeds_the_draft_are_nestlings_layer_ids(probe):
     from safetensors.torch import load_file
-
-    from nestling.capture.hf import HFBackend
-    from nestling.capture.settings import CaptureSettings
 
     fed = load_file(str(probe["states"]))["prefill"]  # [T, 3H] in eagle_aux_hidden_state_layer_ids order
     prompt = probe["prompts"][0]
     H = json.loads((probe["target"] / "config.json").read_text())["hidden_size"]
     fed = fed.view(len(prompt), len(AUX), H)
-
-    def capture(ids: list[int]) -> torch.Tensor:
-        b = HFBackend(probe["target"], ids, CaptureSettings(dtype="float32", device="cpu"))
-        try:
-            return b.capture([prompt]).float()  # [T, len(ids), H]
-        finally:
-            b.close()
-
-    same = [_rel(fed[:, j], c) for j, c in enumerate(capture(AUX).unbind(1))]
+    same = layer_id_errors(probe["target"], prompt, fed, AUX)
     print(f"[gemma3 layer ids] relative error at {AUX}: {same}")
     assert max(same) < 1e-4, same
     for shift in (-1, 1):
-        errs = [_rel(fed[:, j], c) for j, c in enumerate(capture([i + shift for i in AUX]).unbind(1))]
+        errs = layer_id_errors(probe["target"], prompt, fed, [i + shift for i in AUX])
         assert min(errs) > 1e-2, (shift, errs)
