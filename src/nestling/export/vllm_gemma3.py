@@ -68,9 +68,14 @@ def _building_with(model: type[gemma3.Gemma3Model]) -> Iterator[None]:
 
 
 class Gemma3ForCausalLM(gemma3.Gemma3ForCausalLM, SupportsEagle3):
-    """vLLM's Gemma3ForCausalLM with SupportsEagle3: its forward passes the model's (hidden, aux) on."""
+    """vLLM's Gemma3ForCausalLM with SupportsEagle3: its forward passes the model's (hidden, aux) on.
+    Without speculative decoding nothing reads the aux states, and vLLM's own model is built: serving
+    Gemma-3 alone does not depend on this module keeping up with vLLM's."""
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        if vllm_config.speculative_config is None:
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            return
         with _building_with(Gemma3Model):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
 
