@@ -18,8 +18,6 @@ import torch
 
 from nestling.capture.store import CaptureDataset, shard_key
 from nestling.capture.verify import verify
-from nestling.capture.vllm import TESTED_VLLM, check_vllm_version, installed_vllm_version
-from nestling.errors import NestlingError
 
 from vllm_capture_helpers import LAYERS, _cli, _data, _env, _hf_capture  # noqa: F401
 
@@ -120,31 +118,6 @@ def test_kill_during_vllm_capture_then_resume(tiny_target, tmp_path):
         assert shard_key(f) is not None
     ds = CaptureDataset(out, "train")
     assert len(ds) == 40 and all(ds[i]["final"].abs().sum() > 0 for i in range(len(ds)))
-
-
-@pytest.mark.parametrize(
-    "version,ok",
-    [
-        ("0.32.0", True),
-        ("0.32.4", True),
-        ("0.31.9", False),
-        ("0.33.0", False),
-        ("1.0.0", False),
-        ("0.32.0+cpu", True),
-        ("0.32.0rc1", False),
-        ("0.10.1", False),
-    ],
-)
-def test_vllm_version_range(version, ok):
-    if ok:
-        check_vllm_version(version)
-    else:
-        with pytest.raises(NestlingError, match=rf"tested with vLLM >= {TESTED_VLLM[0]}.*{version}.*--backend hf"):
-            check_vllm_version(version)
-
-
-def test_installed_vllm_is_in_tested_range():
-    check_vllm_version(installed_vllm_version())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

