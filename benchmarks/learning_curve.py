@@ -11,7 +11,7 @@ trained on the target's answers (`nestling regenerate`) and measured on the targ
 held-out prompts. Online training (`TrainSettings.online`) computes the target's hidden states in the
 loop, so the number of training tokens is bounded by time, not by the disk.
 
-Phases (each reuses what an earlier step left in --work, so consecutive steps on the GPU host continue):
+Phases (each reuses what an earlier invocation left in --work, so a later one continues there):
 - prepare: split ShareGPT exactly as benchmarks/quality.py does (the last --heldout conversations are
   the evaluation prompts, never trained on); regenerate the held-out prompts' first answers and the
   first --regen-conversations training conversations with the target (transformers engine, greedy);
@@ -28,9 +28,12 @@ Phases (each reuses what an earlier step left in --work, so consecutive steps on
   every --curve-points-th of the run, the reference decoder (K = 3, greedy) at --ref-points
   checkpoints; curve.png and the JSON.
 
-`--return NAME` tars export-NAME into 15 MB parts under OUT (one draft per step: a step on the GPU host
-returns 64 MiB); evaluate it in vLLM elsewhere with `python benchmarks/quality.py --draft DIR`.
-Writes OUT/learning_curve.json and prints a table last.
+`--return NAME` copies export-NAME to OUT/draft-NAME; measure it in vLLM with
+`python benchmarks/quality.py --draft OUT/draft-NAME`. `--phase parallel` starts several `--run`s
+side by side on one GPU, in the background; `--phase wait` waits for them (at most until --wait-until).
+Writes OUT/learning_curve.json and prints a table last. Time on one H100 or H200: `prepare` with every
+training conversation regenerated about 10 minutes (SmolLM2, greedy), a 45M-token curve about 8,
+90M about 13; an equal-data run (2,000 conversations, 5 epochs) about 4 (docs/results/recipe.md).
 """
 
 from __future__ import annotations
@@ -257,18 +260,20 @@ def sampled_count(kind: str) -> int:
 
 
 def greedy_set(b: Bench, kind: str) -> Path:
-    """The target's greedy answers from `--regen-pilot 0` (regenall, or the copy stagedata staged), which
+    """The target's greedy answers from `--phase prepare --regen-pilot 0` (in this --work folder), which
     data=regen and data=regen+sM train on; else stop with what to run first."""
     greedy = b.w / "regen-rest" / "messages.jsonl"
     if (b.w / "split" / "train_pilot.json").exists():  # regen-rest would start after the pilot's conversations
-        raise SystemExit(f"data={kind} needs regen-rest from `--regen-pilot 0` (regenall or stagedata)")
+        raise SystemExit(f"data={kind} needs regen-rest: run --phase prepare --regen-pilot 0 first")
     if not (b.w / "regen-rest" / "manifest.json").exists():  # written when regeneration is done
-        raise SystemExit(f"data={kind} needs the target-written set first ({greedy} is missing): regenall or stagedata")
+        raise SystemExit(
+            f"data={kind} needs the target-written set first ({greedy} is missing): --phase prepare --regen-pilot 0"
+        )
     return greedy
 
 
 def staged_sample(b: Bench, name: str, m: int) -> Path | None:
-    """A sampled set an earlier run wrote and `stagedata` copied back (its manifest and messages,
+    """A sampled set an earlier run wrote into this --work folder (its manifest and messages,
     unpacked in the work folder): used as it is when it was sampled as this run asks, from the same
     conversations, so the GPU time goes to training (~13 minutes of an H100 for all of ShareGPT
     otherwise)."""
@@ -293,13 +298,16 @@ def staged_sample(b: Bench, name: str, m: int) -> Path | None:
         raise SystemExit(f"{out} answers other conversations than {src}: remove it")
     b.res[name] = {"counts": manifest["counts"], "generation": manifest["generation"], "staged": True}
     b.save()
-    print(f"[curve] {name}: the staged sampled set ({out / 'messages.jsonl'}), not sampled again", flush=True)
+    print(
+        f"[curve] {name}: the sampled set already in the work folder ({out / 'messages.jsonl'}), not sampled again",
+        flush=True,
+    )
     return out / "messages.jsonl"
 
 
 def sample_answers(b: Bench, name: str, src: Path, m: int) -> Path:
     """M answers per turn for src's conversations, sampled at --regen-temperature (data=regen+sM), or
-    the staged set that already holds them (KV cache: side_cache_tokens)."""
+    the set already in the work folder that holds them (KV cache: side_cache_tokens)."""
     staged = staged_sample(b, name, m)
     if staged is not None:
         return staged
@@ -312,7 +320,7 @@ def data_source(b: Bench, kind: str) -> list[Path]:
     """A curve run's conversations: the target-written set (`regen`), ShareGPT's answers (`human`,
     `all`), or the target-written set plus M answers per turn sampled here for every one of its
     conversations (`regen+sM`: about as long as the greedy set took, ~9 minutes on an H200 for all of
-    ShareGPT; it needs `regenall` or `stagedata` first)."""
+    ShareGPT; it needs `--phase prepare --regen-pilot 0` first)."""
     if kind == "regen":
         return regen_files(b)
     if kind in ("human", "all"):
@@ -326,7 +334,7 @@ def data_source(b: Bench, kind: str) -> list[Path]:
         )
     greedy, rest = greedy_set(b, kind), b.w / "split" / "train_rest.json"  # regen-rest's source, all of it
     if not rest.exists():
-        raise SystemExit(f"data={kind} needs {rest}, the greedy set's conversations (regenall or stagedata)")
+        raise SystemExit(f"data={kind} needs {rest}, the greedy set's conversations: --phase prepare --regen-pilot 0")
     return [greedy, sample_answers(b, f"regen-all-{kind}", rest, m)]
 
 
@@ -486,8 +494,8 @@ def recipe(b: Bench) -> dict:
 
 def equal_source(b: Bench, kind: str) -> tuple[list[Path], int | None]:
     """An equal run's conversations and how many records to keep: the first N training conversations
-    with their ShareGPT answers (`human`); with the target's greedy answers from `regenall` or
-    `stagedata` (`regen`: regen-rest keeps the training order, less the few it skipped); or those
+    with their ShareGPT answers (`human`); with the target's greedy answers from `--phase prepare
+    --regen-pilot 0` (`regen`: regen-rest keeps the training order, less the few it skipped); or those
     plus M answers per turn sampled here at --regen-temperature (`regen+sM`, about 80 s per answer
     for 2,000 conversations on an H200)."""
     a = b.args
@@ -626,7 +634,7 @@ def curve(b: Bench) -> None:
     }
     b.save()  # the curve is in the JSON before the slow decodes
     export_run(out, b.w / "export-curve")
-    if a.ret == "curve":  # the draft goes back before the slow reference decodes
+    if a.ret == "curve":  # the draft is copied out before the slow reference decodes
         give_back(b, "curve")
     for ck in list_checkpoints(out / "checkpoints") if a.ref_points else []:
         step = int(ck.name.split("-")[1])
@@ -674,7 +682,7 @@ SHARED = ("target", "split", "data-eval", "regen-eval", "regen-rest")  # prepare
 
 def run_folder(b: Bench, name: str) -> Path:
     """A parallel run's own work folder, with what was prepared once linked in: the SHARED folders,
-    the tokenized data and the staged sampled sets (a data=regen+sM run uses a matching one)."""
+    the tokenized data and the sampled sets already there (a data=regen+sM run uses a matching one)."""
     w = b.w.parent / f"{b.w.name}-{name}"
     w.mkdir(exist_ok=True)
     for item in list(SHARED) + [d.name for d in [*b.w.glob("data-*"), *b.w.glob("regen-all-*")]]:
@@ -734,7 +742,7 @@ def run_command(a, name: str, phase: str, kv: str, w: Path) -> list[str]:
         str(a.regen_temperature),
         "--gpu-runs",  # how many runs share the GPU: a run alone gives its sampled pass a larger KV cache
         str(len(a.run)),
-        "--regen-chunk",  # a run's sampled pass (data=regen+sM) in one engine call, as regenall's
+        "--regen-chunk",  # a run's sampled pass (data=regen+sM) in one engine call, as prepare's
         str(a.regen_chunk),
     ]
 
@@ -742,7 +750,7 @@ def run_command(a, name: str, phase: str, kv: str, w: Path) -> list[str]:
 def parallel(b: Bench) -> None:
     """Start every --run NAME=PHASE:key=value,... as its own process sharing this GPU (a 135M target
     leaves an H200 mostly idle: one run is bound by kernel launches), in a new session so it outlives
-    this step on the GPU host; they share the prepared folders and stop training by --deadline."""
+    this command; they share the prepared folders and stop training by --deadline."""
     a = b.args
     procs = {}
     for spec in a.run:
@@ -789,7 +797,7 @@ def wait_runs(b: Bench) -> None:
         rp = b.w.parent / f"{b.w.name}-{name}" / "learning_curve.json"
         if rp.exists():
             runs[name] = json.loads(rp.read_text())
-    with open(b.out / "runs.log", "w") as f:  # one file: a step returns at most 8
+    with open(b.out / "runs.log", "w") as f:  # every run's log in one file
         for name in pids:
             f.write(f"==== {name}\n" + (b.w / f"run-{name}.log").read_text(errors="replace")[-100_000:] + "\n")
     b.res["runs"] = runs
@@ -818,7 +826,7 @@ def wait_runs(b: Bench) -> None:
 
 def give_back(b: Bench, name: str, w: Path | None = None, out: Path | None = None) -> None:
     w, out = w or b.w, out or b.out
-    quality.pack_draft(w, f"export-{name}", out, f"draft-{name}.tar.")
+    quality.copy_draft(w, f"export-{name}", out, f"draft-{name}")
     if hasattr(b, "res"):
         b.res["returned"] = name
         b.save()
@@ -941,7 +949,7 @@ def parser() -> argparse.ArgumentParser:
         "--return",
         dest="ret",
         default=None,
-        help="curve|equal: tar that run's export into OUT right after its phase; with wait: best "
+        help="curve|equal: copy that run's draft to OUT/draft-NAME right after its phase; with wait: best "
         "(the best curve run's draft), best-equal (the best equal run's) or a run's NAME (its equal draft)",
     )
     return ap
@@ -956,7 +964,7 @@ def main() -> None:
         ](b)
         if (
             args.ret == phase in ("curve", "equal") and b.res.get("returned") != phase
-        ):  # back before a later phase runs out of time
+        ):  # copied out before a later phase runs
             give_back(b, phase)
         table(b)
 

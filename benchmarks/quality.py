@@ -72,21 +72,17 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     return name, parse_kv(kv)
 
 
-def pack_draft(work: Path, export: str, out: Path, prefix: str, part_bytes: int = 15 << 20) -> list[Path]:
-    """`work/export` as a tar in parts of `part_bytes` (`prefix`00, 01, ...) under `out`, for the device
-    tool's 16 MiB files; rejoin with `cat PREFIX* > draft.tar`. No shell: the folders are users' paths."""
-    import tarfile
+def copy_draft(work: Path, export: str, out: Path, name: str) -> Path:
+    """A copy of the draft folder `work/export` as `out/name` (an earlier copy there replaced), so the
+    draft sits beside the results JSON; measure it with `benchmarks/quality.py --draft OUT/NAME`. No
+    shell: the folders are users' paths."""
+    import shutil
 
-    tar = out / f"{prefix}partial"
-    with tarfile.open(tar, "w") as t:
-        t.add(work / export, arcname=export)
-    parts = []
-    with open(tar, "rb") as f:
-        while chunk := f.read(part_bytes):
-            parts.append(out / f"{prefix}{len(parts):02d}")
-            parts[-1].write_bytes(chunk)
-    tar.unlink()
-    return parts
+    dest = out / name
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(work / export, dest)
+    return dest
 
 
 def _user_turns(conv: dict) -> list[str]:
