@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv  # global, accepted anywhere on the line: `nestling train ... --debug` too
     argv = [a for a in argv if a != "--debug"]
+    from nestling import outdir
+
+    outdir.COMMAND[:] = ["nestling", *argv]  # what a folder's lock says its holder runs
     parser = build_parser()
     # `key=value` overrides may follow options (`nestling train CAP --out DIR lr=3e-4`), which plain
     # parse_args rejects once an option has ended the positionals: hand the leftovers to the stage.

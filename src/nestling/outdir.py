@@ -18,8 +18,12 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
+import shlex
 import shutil
 import socket
+import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Union
@@ -153,10 +157,76 @@ def mark(out: Path, stage: str) -> None:
         atomic_write_json(Path(out) / MARKER, {"stage": stage})
 
 
+# What the lock file says about its holder: "pid N on HOST since TIME: COMMAND" (`holder_line`).
+COMMAND: list[str] = []  # the command line this process runs (set by cli.main; sys.argv otherwise)
+_HOLDER = re.compile(r"pid (\d+) on (\S+?)(?: since [^:]+:\d\d:\d\d)?(?:: (.*))?$")
+
+
+def holder_line() -> str:
+    """Who holds a lock: this process's id, host, start of holding and command line."""
+    argv = COMMAND or [Path(sys.argv[0]).name, *sys.argv[1:]]
+    since = time.strftime("%Y-%m-%d %H:%M:%S")
+    return f"pid {os.getpid()} on {socket.gethostname()} since {since}: {shlex.join(argv)}"
+
+
+def _fd_holders(path: Path) -> list[int]:
+    """Processes on this machine with `path` open (Linux /proc; [] elsewhere): who holds an flock."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return []
+    found = []
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            for fd in (d / "fd").iterdir():
+                try:
+                    s = os.stat(fd)
+                except OSError:
+                    continue
+                if (s.st_ino, s.st_dev) == (st.st_ino, st.st_dev):
+                    found.append(int(d.name))
+                    break
+        except OSError:
+            continue
+    return [p for p in found if p != os.getpid()]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        text = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "?"
+    text = " ".join(text.split())  # one line, whatever the command held
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def describe_holder(path: Path, text: str) -> str:
+    """The holder named in the lock file, and, when that process is gone although the lock is still held,
+    the processes that hold it now (workers it started, which outlived it)."""
+    text = text.strip()
+    if not text:
+        return "a process that has not written its name yet"
+    m = _HOLDER.match(text.splitlines()[0])
+    if m is None or m.group(2) != socket.gethostname():
+        return text.splitlines()[0]
+    from nestling.pipeline.state import pid_alive
+
+    if pid_alive(int(m.group(1))):
+        return text.splitlines()[0]
+    now = [p for p in _fd_holders(path) if pid_alive(p)]
+    who = ", ".join(f"pid {p} ({_cmdline(p)})" for p in now) or "a process on another machine"
+    return (
+        f"{text.splitlines()[0]}; that process is gone, but {who} still holds the lock: a process it started "
+        f"that outlived it. Stop {'it' if len(now) < 2 else 'them'} (`kill {' '.join(map(str, now)) or 'PID'}`)"
+    )
+
+
 @contextmanager
 def lock(folder: Path, what: str, hint: str) -> Iterator[None]:
     """Hold `folder/.lock` exclusively while the block runs; refuse with `hint` when another process
-    holds it. The OS drops the lock when the process dies, so a killed run never leaves a stale lock."""
+    holds it, naming the holder (pid, host, since when, command). The OS drops the lock when the process
+    dies, however it dies, so a killed run never leaves a stale lock: the next one takes the folder over
+    and says so."""
     import fcntl
 
     path = Path(folder) / LOCK
@@ -166,7 +236,7 @@ def lock(folder: Path, what: str, hint: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             f.seek(0)
-            holder = f.read().strip() or "unknown process"
+            holder = describe_holder(path, f.read())
             f.close()
             raise NestlingError(f"another {what} is using {folder} ({holder}); {hint}") from None
         try:  # the holder before us may have removed the file after we opened it: lock the file that is there
@@ -178,8 +248,16 @@ def lock(folder: Path, what: str, hint: str) -> Iterator[None]:
         f.close()
     try:
         f.seek(0)
+        left = f.read().strip()
+        if left:  # a holder that ended normally removes the file: this one was killed
+            from nestling.progress import log
+
+            log(
+                f"[lock] {folder}: took over the lock of a process that ended without releasing it ({left.splitlines()[0]})"
+            )
+        f.seek(0)
         f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.write(holder_line() + "\n")
         f.flush()
         yield
     finally:

@@ -36,9 +36,29 @@ def log(msg: str, stream: TextIO | None = None) -> None:
     """Print one flushed line (stderr by default, so stdout stays for results)."""
     stream = stream or sys.stderr
     print(msg, file=stream, flush=True)
+    if STOP_AT_ENV in os.environ:
+        _stop_at(msg)
+
+
+# Fault injection for the test harness (tests/fault_helpers.py): a process whose log line matches this
+# regular expression stops itself (SIGSTOP) right after printing it, the first time only, so a test that
+# reads the line can send its signal (or kill a worker) while the stage is at exactly that point, then
+# let it go on (SIGCONT). Unset, it costs one dictionary lookup per line.
+STOP_AT_ENV = "NESTLING_STOP_AT"
+_stopped_once: list[bool] = []
+
+
+def _stop_at(msg: str) -> None:
+    import re
+    import signal
+
+    if not _stopped_once and re.search(os.environ[STOP_AT_ENV], msg):
+        _stopped_once.append(True)
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 PROGRESS_ENV = "NESTLING_PROGRESS_FILE"
+INTERVAL_ENV = "NESTLING_PROGRESS_INTERVAL"
 
 
 @dataclass
@@ -64,6 +84,8 @@ class Progress:
     _last: float = 0.0
 
     def __post_init__(self) -> None:
+        if os.environ.get(INTERVAL_ENV):  # every loop's interval at once (e.g. 0: a line per update)
+            self.interval = float(os.environ[INTERVAL_ENV])
         if self.state_file is None and os.environ.get(PROGRESS_ENV):
             self.state_file = Path(os.environ[PROGRESS_ENV])
 
