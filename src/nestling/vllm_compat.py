@@ -12,7 +12,6 @@ Nothing here patches vLLM: the callers build their engine from what this module 
 
 from __future__ import annotations
 
-import inspect
 import os
 from typing import Any
 
@@ -77,10 +76,81 @@ def require(instead: str = "") -> str:
     return version
 
 
-def accepts(fn: Any, name: str) -> bool:
-    """Whether callable `fn` takes a keyword `name` (or any keyword)."""
+def _module(name: str) -> Any:
+    """One vLLM module by its dotted name (what is looked up is named in one place: the facts a test records)."""
+    import importlib
+
+    return importlib.import_module(name)
+
+
+# ---- hidden-state capture (capture/vllm_connector.py) -------------------------------------------------
+
+
+def hidden_cache_is_token_major() -> bool:
+    """Whether this vLLM stores the `extract_hidden_states` cache token-major, [blocks, block_size, ids,
+    hidden] (0.26 to 0.28: its cache-only attention backend still defines `get_kv_cache_shape`), rather than
+    as the heads-major view [blocks, ids, block_size, hidden] every runner hands over from 0.29 on."""
+    backend = getattr(_module("vllm.model_executor.models.extract_hidden_states"), "CacheOnlyAttentionBackend", None)
+    return backend is not None and hasattr(backend, "get_kv_cache_shape")
+
+
+def layer_cache_spec(kv_cache_config: Any, group: int, layer_name: str) -> Any:
+    """The KV cache spec of one layer. Beside a dense target the hidden-state layer shares one group with
+    the target's layers, whose spec (`UniformTypeKVCacheSpecs`) keeps each layer's own in `kv_cache_specs`."""
+    spec = kv_cache_config.kv_cache_groups[group].kv_cache_spec
+    return getattr(spec, "kv_cache_specs", {}).get(layer_name, spec)
+
+
+def hidden_cache_view(cache: Any, n_ids: int, block_size: int, token_major: bool) -> Any:
+    """The hidden-state cache as [blocks, ids, block_size, hidden], whatever the release's layout."""
+    view = cache.transpose(1, 2) if token_major else cache
+    if tuple(view.shape[1:3]) != (n_ids, block_size):
+        raise RuntimeError(
+            f"nestling connector: hidden-state cache of shape {tuple(cache.shape)} "
+            f"({'token' if token_major else 'heads'}-major) does not hold {n_ids} layer ids x block size {block_size}"
+        )
+    return view
+
+
+# ---- vLLM's CPU build (targets/vllm_rules.py, evaluate/vllm_sampling.py) ------------------------------
+
+# What vLLM 0.32's CPU build offers, for a machine where vLLM cannot be imported (`nestling plan`).
+CPU_MLA_LATENTS = {320, 512, 576}
+
+
+def cpu_mla_support() -> tuple[bool, set[int]]:
+    """(whether this vLLM's CPU build has an MLA backend, the latent sizes kv_lora_rank + qk_rope_head_dim its
+    MLA kernels take). vLLM 0.26's CPU platform has no CPU_MLA backend and refuses MLA; 0.29 takes latents
+    320 and 576, 0.32 adds 512. Without an importable vLLM: 0.32's answer."""
     try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
+        mla = _module("vllm.model_executor.layers.attention.mla_attention").MLACommonBackend
+        backends = _module("vllm.v1.attention.backends.registry").AttentionBackendEnum
+    except Exception:  # noqa: BLE001 -- no vLLM here, or a layout this code does not know: the tested facts
+        return True, set(CPU_MLA_LATENTS)
+    return hasattr(backends, "CPU_MLA"), set(mla.get_supported_head_sizes())
+
+
+def install_cpu_sampler_kernels() -> None:
+    """Swap in the sampler kernels a vLLM worker installs on this platform before it samples: the platform's
+    `register_triton_kernel_overrides` (0.32 on), or on older CPU builds the CPU runner's own hook, whose
+    body does the same without its instance."""
+    platform = _module("vllm.platforms").current_platform
+    register = getattr(platform, "register_triton_kernel_overrides", None)
+    if register is not None:
+        register()
+        return
+    if platform.is_cpu():
+        runner = _module("vllm.v1.worker.cpu_model_runner").CPUModelRunner
+        hook = getattr(runner, "_postprocess_triton", None)
+        if hook is not None:
+            hook(None)
+
+
+def has_v1_rejection_sampler() -> bool:
+    """Whether vLLM's V1 rejection sampler module (and its `expand_batch_to_tokens`) is there (gone in 0.34,
+    whose GPU runner samples in its own module; no CPU build of 0.34 exists)."""
+    try:
+        _module("vllm.v1.sample.rejection_sampler")
+    except ModuleNotFoundError:
         return False
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return True

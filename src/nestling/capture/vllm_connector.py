@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from nestling.draft.model import rms_norm
+from nestling.vllm_compat import hidden_cache_is_token_major, hidden_cache_view, layer_cache_spec
 
 # Keys of `SamplingParams.extra_args["kv_transfer_params"]` that address one sample's rows.
 PATH, OFFSET, SAMPLE = "nestling_path", "nestling_offset", "nestling_sample"
@@ -159,20 +160,11 @@ class NestlingHiddenStatesConnector(KVConnectorBase_V1):
                 "is the speculative method extract_hidden_states?"
             )
         cache = kv_caches[names[0]]
-        spec = self._kv_cache_config.kv_cache_groups[self._group].kv_cache_spec if self._kv_cache_config else None
-        n_ids = getattr(spec, "num_kv_heads", cache.shape[1])
-        bs = getattr(spec, "block_size", cache.shape[2])
-        # vLLM picks the cache layout per platform: heads-major [blocks, ids, block_size, hidden] (LBHNC,
-        # what the CPU build uses) or token-major [blocks, block_size, ids, hidden]. Index rows either way.
-        if tuple(cache.shape[1:3]) == (n_ids, bs):
+        if self._kv_cache_config is None:  # no spec to read: the heads-major layout of vLLM 0.29 on
             self._cache = cache
-        elif tuple(cache.shape[1:3]) == (bs, n_ids):
-            self._cache = cache.transpose(1, 2)
-        else:
-            raise RuntimeError(
-                f"nestling connector: hidden-state cache of shape {tuple(cache.shape)} does not match "
-                f"{n_ids} layer ids x block size {bs}"
-            )
+            return
+        spec = layer_cache_spec(self._kv_cache_config, self._group, names[0])
+        self._cache = hidden_cache_view(cache, spec.num_kv_heads, spec.block_size, hidden_cache_is_token_major())
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         pass

@@ -27,19 +27,25 @@ DRAFTS = [2, 1, 3]  # draft tokens per request
 
 def probe() -> dict:
     """Expand per-request temperatures to per-token ones the way vLLM's rejection sampler does,
-    with the kernels this platform registers. -> {"platform", "expanded", "expected", "sound"}."""
+    with the kernels this platform registers. -> {"platform", "expanded", "expected", "sound"}.
+    A vLLM without the V1 sampler (0.34: GPU only) has no such CPU kernel and counts as sound."""
     import torch
     from vllm.platforms import current_platform
 
-    current_platform.register_triton_kernel_overrides()  # what every vLLM worker does first
+    from nestling.vllm_compat import has_v1_rejection_sampler, install_cpu_sampler_kernels
+
+    want = [1.0 if t == 0 else t for t, n in zip(TEMPERATURES, DRAFTS) for _ in range(n)]
+    platform = str(current_platform.device_name)
+    if not has_v1_rejection_sampler():
+        return {"platform": platform, "expanded": None, "expected": want, "sound": True}
+    install_cpu_sampler_kernels()  # what every vLLM worker does first
     from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
 
     temps = torch.tensor(TEMPERATURES, dtype=torch.float32)
     cu = torch.tensor(DRAFTS, dtype=torch.int32).cumsum(0).to(torch.int32)
-    want = [1.0 if t == 0 else t for t, n in zip(TEMPERATURES, DRAFTS) for _ in range(n)]
     got = expand_batch_to_tokens(temps, cu, sum(DRAFTS), replace_from=0, replace_to=1).tolist()
     sound = all(abs(a - b) < 1e-6 for a, b in zip(got, want))
-    return {"platform": str(current_platform.device_name), "expanded": got, "expected": want, "sound": sound}
+    return {"platform": platform, "expanded": got, "expected": want, "sound": sound}
 
 
 @functools.cache

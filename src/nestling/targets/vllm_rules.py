@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from nestling.errors import NestlingError
+from nestling.vllm_compat import cpu_mla_support
 
 HF_HINT = (
     "use `--backend hf` instead (for a target spread over several GPUs: tensor parallel, `torchrun "
@@ -16,8 +17,6 @@ HF_HINT = (
 )
 # model types built on vLLM's MLA attention (a config with kv_lora_rank counts as MLA too)
 MLA_TYPES = {"deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "kimi_k2", "kimi_k25"}
-# kv_lora_rank + qk_rope_head_dim sizes vLLM 0.32's CPU MLA kernels are built for (mla_attention.py)
-CPU_MLA_LATENTS = {320, 512, 576}
 
 
 def _text(config: dict) -> tuple[dict, str]:
@@ -56,7 +55,7 @@ def cpu_target_problem(config: dict) -> tuple[str, str] | None:
 
     - Its fused-MoE kernel for int-quantized experts cannot run Kimi-K2.5's (`cpu_moe_quant_problems`).
     - Its MLA kernels (CPU_MLA, AMX_MLA) are built for latents of kv_lora_rank + qk_rope_head_dim in
-      CPU_MLA_LATENTS only ("Head dimension N is not supported by MLA" at load).
+      the latents its MLA kernels take, `vllm_compat.cpu_mla_support` ("Head dimension N is not supported by MLA" at load).
     - Its rotary kernel (`_C.rotary_embedding`, csrc/cpu/pos_encoding.cpp) reads a [tokens, heads, dim]
       query as one head per token row and ignores the strides of a sliced view; MLA hands it exactly
       that (the rope part of q and of the latent), so plain rope comes out wrong from the second token
@@ -76,10 +75,17 @@ def cpu_target_problem(config: dict) -> tuple[str, str] | None:
         )
     if not is_mla(config):
         return None
-    latent = int(text.get("kv_lora_rank") or 0) + int(text.get("qk_rope_head_dim") or 0)
-    if latent not in CPU_MLA_LATENTS:
+    has_mla, latents = cpu_mla_support()
+    if not has_mla:
         return (
-            f"vLLM's CPU build runs MLA only with kv_lora_rank + qk_rope_head_dim in {sorted(CPU_MLA_LATENTS)} "
+            f"this vLLM's CPU build has no MLA attention backend (vLLM 0.26's refuses MLA targets): it cannot run "
+            f"this {kind} target",
+            elsewhere,
+        )
+    latent = int(text.get("kv_lora_rank") or 0) + int(text.get("qk_rope_head_dim") or 0)
+    if latent not in latents:
+        return (
+            f"vLLM's CPU build runs MLA only with kv_lora_rank + qk_rope_head_dim in {sorted(latents)} "
             f"(DeepSeek-V3 and Kimi-K2 have 512 + 64 = 576); this {kind} target has {latent}",
             elsewhere,
         )
