@@ -53,7 +53,27 @@ def tokenize(target: Path, convs: list[list[dict]], max_length: int):
     return sorted(samples, key=lambda s: -len(s.input_ids))
 
 
-def bench_hf(target, layer_ids, settings, batches) -> dict:
+def parity_rows(backend, batches):
+    """Each batch's rows from the generic `capture()` ([tokens, ids, hidden], fp32 on the host)."""
+    import torch
+
+    return torch.cat([backend.capture([s.input_ids for s in batch]).float().cpu() for batch in batches])
+
+
+def parity(vllm_rows, hf_rows, layer_ids) -> dict:
+    """Per stored layer: the per-token relative L2 distance of vLLM's rows from hf's (p50, p99, max)."""
+    import torch
+
+    rel = (vllm_rows - hf_rows).norm(dim=-1) / hf_rows.norm(dim=-1).clamp_min(1e-6)  # [tokens, ids]
+    out = {}
+    for j, layer in enumerate(layer_ids):
+        r = rel[:, j]
+        out[str(layer)] = {q: float(torch.quantile(r, v)) for q, v in (("p50", 0.5), ("p99", 0.99))}
+        out[str(layer)]["max"] = float(r.max())
+    return out
+
+
+def bench_hf(target, layer_ids, settings, batches, check=None) -> dict:
     import torch
 
     from nestling.capture.hf import HFBackend
@@ -68,11 +88,12 @@ def bench_hf(target, layer_ids, settings, batches) -> dict:
     for batch in batches:
         b.capture([s.input_ids for s in batch]).cpu()
     dt = time.perf_counter() - t0
+    rows = parity_rows(b, check) if check else None
     b.close()
-    return {"load_s": load, "capture_s": dt}
+    return {"load_s": load, "capture_s": dt, "rows": rows}
 
 
-def bench_vllm(target, layer_ids, settings, batches, samples, generic: bool) -> dict:
+def bench_vllm(target, layer_ids, settings, batches, samples, generic: bool, check=None) -> dict:
     from nestling.capture.store import ShardPlan
     from nestling.capture.vllm import VLLMBackend
 
@@ -91,6 +112,7 @@ def bench_vllm(target, layer_ids, settings, batches, samples, generic: bool) -> 
         for batch in batches:
             b.capture([s.input_ids for s in batch])
         out["generic_capture_s"] = time.perf_counter() - t0
+    out["rows"] = parity_rows(b, check) if check else None
     b.close()
     return out
 
@@ -112,6 +134,7 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=8192)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--backends", default="vllm,hf")
+    ap.add_argument("--parity", type=int, default=0, help="compare both backends' rows on the first N samples")
     ap.add_argument("--json", type=Path, default=Path("capture_backends.json"))
     args = ap.parse_args()
 
@@ -128,12 +151,14 @@ def main() -> None:
         tensor_parallel_size=args.tensor_parallel_size,
     )
     batches = make_batches(samples, settings.token_budget)
-    results = {}
+    check = make_batches(samples[-args.parity :], settings.token_budget) if args.parity else None
+    results, rows = {}, {}
     for name in args.backends.split(","):
         if name == "hf":
-            r = bench_hf(target, layer_ids, settings, batches)
+            r = bench_hf(target, layer_ids, settings, batches, check)
         else:
-            r = bench_vllm(target, layer_ids, settings, batches, samples, args.generic)
+            r = bench_vllm(target, layer_ids, settings, batches, samples, args.generic, check)
+        rows[name] = r.pop("rows")
         r["tokens_per_s"] = n_tok / r["capture_s"]
         results[name] = r
         print(
@@ -161,6 +186,11 @@ def main() -> None:
     }
     if "hf" in results and "vllm" in results:
         report["vllm_over_hf"] = results["vllm"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
+    if check and rows.get("hf") is not None and rows.get("vllm") is not None:
+        report["parity_samples"] = args.parity
+        report["parity"] = parity(rows["vllm"], rows["hf"], layer_ids)
+        worst = max(v["p99"] for v in report["parity"].values())
+        print(f"[bench] parity on {args.parity} samples: worst per-layer p99 relative L2 {worst:.4%}", flush=True)
     print(
         f"{len(samples)} samples, {n_tok:,} tokens (longest {longest}), {args.device}, {args.dtype}, "
         f"layers {layer_ids}, load avg {load_avg}"
