@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        from nestling.inputs import check_argv_names
+
+        check_argv_names(args.command, argv)  # a URL or hub id: refused now, before any import or network
         rc = args.func(args)
     except KeyboardInterrupt:
         print(f"nestling {args.command}: interrupted; run the same command again to continue.", file=sys.stderr)

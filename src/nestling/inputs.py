@@ -171,3 +171,80 @@ def save_safetensors(tensors: dict, path: str | Path, metadata: dict | None = No
             raise
         code = int(m.group(1))
         raise OSError(code, os.strerror(code), str(path)) from None
+
+
+# ---- names that are not local paths ------------------------------------------------------------------------
+
+# "https://...", "hf://...", "s3://...": a scheme, then "//". Checked on the string as given: pathlib
+# would fold the "//" into "/" and the URL would read as a missing relative path.
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_HF_MODEL_URL = re.compile(r"^(?:hf://|https?://(?:www\.)?huggingface\.co/)(?!datasets/|spaces/)([\w.-]+/[\w.-]+)")
+ACCEPTS = {
+    "target": "a local model folder (config.json + .safetensors weights) or a .gguf file",
+    "default": "a local file or folder",
+}
+
+
+def is_url(value: str | Path) -> bool:
+    return isinstance(value, str) and bool(_URL.match(value))
+
+
+def looks_like_hub_id(value: str | Path) -> bool:
+    """`org/name` (a model hub id) that is no local path: nestling never resolves it on a hub."""
+    v = str(value)
+    return (
+        isinstance(value, str)
+        and v.count("/") == 1
+        and not v.startswith((".", "/", "~"))
+        and not v.endswith("/")
+        and not Path(v).exists()
+    )
+
+
+def refuse_remote(value: str | Path, what: str, kind: str = "default") -> None:
+    """Refuse a URL (any kind) or, for a target, a model hub id, at once: nestling reads local files only
+    and never waits on a network (machines that train drafts often have none). The message names what
+    nestling accepts and how to get the local copy."""
+    accepts = ACCEPTS.get(kind, ACCEPTS["default"])
+    if is_url(value):
+        m = _HF_MODEL_URL.match(str(value))
+        how = (
+            f"`huggingface-cli download {m.group(1)} --local-dir DIR` on a machine with hub access, then pass DIR"
+            if m and kind == "target"
+            else "download it on a machine with access (e.g. `curl -L -o FILE URL`), then pass the local path"
+        )
+        raise NestlingError(
+            f"{what} {value} is a URL: nestling reads only local paths and never downloads (no hub or web "
+            f"access at run time); it takes {accepts}. Get a local copy first: {how}"
+        )
+    if kind == "target" and looks_like_hub_id(value):
+        raise NestlingError(
+            f"{what} {value!r} is not a local folder; it looks like a model hub id, and nestling never downloads "
+            f"(no hub access at run time): it takes {accepts}. Get a local copy first "
+            f"(`huggingface-cli download {value} --local-dir DIR` on a machine with hub access) and pass DIR"
+        )
+
+
+def check_argv_names(command: str, argv: list[str]) -> None:
+    """Refuse URLs (and, for a target, hub ids) in a command line before any module loads or any work
+    starts: `--target X`, `--target=X`, `target=X`, positional inputs (and `nestling plan`'s target)."""
+    seen_command = False
+    for i, tok in enumerate(argv):
+        if not seen_command:
+            seen_command = tok == command
+            continue
+        name, value = None, tok
+        if tok.startswith("--") and "=" in tok:
+            name, value = tok.split("=", 1)
+        elif tok.startswith("-"):
+            continue
+        elif not is_url(tok) and "=" in tok:  # key=value override
+            name, value = tok.split("=", 1)
+        elif i > 0 and argv[i - 1].startswith("--") and argv[i - 1] not in ("--debug",):
+            name = argv[i - 1]
+        key = (name or "").lstrip("-").replace("-", "_")
+        is_target = key == "target" or (name is None and command == "plan")
+        if is_target:
+            refuse_remote(value, "target", kind="target")
+        elif is_url(value):
+            refuse_remote(value, f"--{key.replace('_', '-')}" if name and name.startswith("--") else key or "input")

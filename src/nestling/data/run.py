@@ -29,6 +29,7 @@ from nestling.data.settings import DataSettings
 from nestling.data.shards import Shards
 from nestling import outdir
 from nestling.errors import NestlingError
+from nestling.inputs import refuse_remote
 from nestling.manifest import MANIFEST, hash_bytes, hash_file, hash_json, write_manifest
 from nestling.progress import Progress, format_duration, log
 from nestling.targets.load import TOKENIZER_FINGERPRINT_VERSION
@@ -57,7 +58,10 @@ def prepare_data(
 
 def _input_paths(inputs: list[str | Path] | str | Path) -> list[Path]:
     """The input files as paths, checked before anything is written: none, a missing one or a folder is refused."""
-    paths = [Path(p) for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
+    items = [inputs] if isinstance(inputs, (str, Path)) else list(inputs)
+    for p in items:
+        refuse_remote(p, "input")  # a URL: never fetched (before Path() folds its "//")
+    paths = [Path(p) for p in items]
     if not paths:
         raise NestlingError("no input files given")
     return [check_input(p) for p in paths]

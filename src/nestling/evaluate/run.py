@@ -7,6 +7,7 @@ from pathlib import Path
 from nestling.config import to_dict
 from nestling import outdir
 from nestling.errors import NestlingError
+from nestling.inputs import refuse_remote
 from nestling.evaluate.settings import EvalSettings, drafting_note, resolve
 from nestling.evaluate.standard_error import plus_minus, ratio_standard_error
 from nestling.manifest import MANIFEST, write_manifest
@@ -182,6 +183,7 @@ def evaluate(
         from nestling.evaluate.vllm_sampling import check_vllm_sampling
 
         check_vllm_sampling(s.temperature)  # before anything is loaded or written
+    refuse_remote(prompts, "prompts")  # a URL: never fetched
     draft_dir, out = Path(draft_dir), Path(out)
     target_dir = resolve_target(target)
     check_draft_matches_target(draft_dir, target_dir)

@@ -17,6 +17,7 @@ from typing import Any
 
 from nestling.config import from_dict, load_yaml, merge, parse_overrides, to_dict
 from nestling.errors import NestlingError
+from nestling.inputs import is_url, looks_like_hub_id, refuse_remote
 
 TOP_KEYS = ("target", "inputs", "run_dir", "prompts")
 BUILTIN = "builtin:"
@@ -59,12 +60,14 @@ def _path(value: Any, base: Path, where: str, hub: bool = False) -> str:
     if not isinstance(value, (str, Path)) or not str(value):
         raise NestlingError(f"{where}: expected a path, got {value!r}")
     value = str(value)
+    what = f"{where} of the run config"
+    if is_url(value):
+        refuse_remote(value, what, kind="target" if hub else "default")
     if value.startswith(BUILTIN) or Path(value).is_absolute():
         return value
     candidate = base / value
-    # A hub-style id ("org/model") that is no local path is left for resolve_target to explain.
-    if hub and not candidate.exists() and "/" in value and not value.startswith("."):
-        return value
+    if hub and not candidate.exists() and looks_like_hub_id(value):  # "org/model": never fetched
+        refuse_remote(value, what, kind="target")
     return str(candidate)
 
 
@@ -125,11 +128,11 @@ def load_run_config(
     # Overridden paths are relative to the current directory, not the config file.
     for key in ("target", "run_dir", "prompts"):
         v = over.get(key)
-        if isinstance(v, str) and v and not v.startswith(BUILTIN):
+        if isinstance(v, str) and v and not v.startswith(BUILTIN) and not is_url(v):
             # as for the file: a hub-style id that is no local path is left for resolve_target to explain
             if not (key == "target" and not Path(v).exists() and "/" in v and not v.startswith(".")):
                 over[key] = str(Path(v).absolute())
     if isinstance(over.get("inputs"), (str, list)):
         items = over["inputs"].split(",") if isinstance(over["inputs"], str) else over["inputs"]
-        over["inputs"] = [p if str(p).startswith(BUILTIN) else str(Path(p).absolute()) for p in items]
+        over["inputs"] = [p if str(p).startswith(BUILTIN) or is_url(p) else str(Path(p).absolute()) for p in items]
     return parse_run_config(merge(data, over), stages, base)

@@ -37,11 +37,12 @@ def read_config(path: str | Path) -> dict:
 def read_configs(path: str | Path) -> tuple[dict, dict]:
     """config.json as the file holds it (vLLM names a multimodal wrapper's architecture at its top) and
     its checked text part (`read_config`), from one read."""
-    from nestling.inputs import read_json
+    from nestling.inputs import read_json, refuse_remote
 
     p = Path(path)
     f = p / "config.json" if p.is_dir() else p
     if not f.is_file():
+        refuse_remote(path, "target", kind="target")  # a URL or hub id: say so, never fetch
         raise NestlingError(f"{path}: no config.json there; give a model folder or the path of its config.json")
     whole = read_json(f, "config", hint="give the model's own config.json")
     cfg = text_config(whole)

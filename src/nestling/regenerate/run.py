@@ -26,6 +26,7 @@ from pathlib import Path
 from nestling.config import to_dict
 from nestling import outdir
 from nestling.errors import NestlingError
+from nestling.inputs import refuse_remote
 from nestling.manifest import MANIFEST, atomic_write_json, hash_file, hash_json, write_manifest
 from nestling.progress import Progress, log
 from nestling.regenerate.chat import assistant_positions, plan, postprocess, render_prompts
@@ -278,6 +279,7 @@ def regenerate(
     from nestling.targets.load import resolve_target
 
     s = settings or RegenerateSettings()
+    refuse_remote(input, "input")  # a URL: never fetched
     input, out = Path(input), Path(out)
     if not input.is_file():
         raise NestlingError(f"input {input} does not exist or is not a file (give a .json or .jsonl chat file)")

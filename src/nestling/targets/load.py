@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from nestling.errors import NestlingError
+from nestling.inputs import is_url, refuse_remote
 from nestling.manifest import hash_bytes, hash_files, hash_json
 from nestling.progress import log
 
@@ -91,6 +92,8 @@ def resolve_target(model: str | Path) -> Path:
     """A local folder with config.json and safetensors; a GGUF is converted once into the cache."""
     from nestling.assets import build_once, cache_dir
 
+    if is_url(model):  # before Path() folds its "//"
+        refuse_remote(model, "target", kind="target")
     p = Path(model)
     if is_gguf(model):
         if not p.exists():
@@ -105,11 +108,7 @@ def resolve_target(model: str | Path) -> Path:
         return p
     if p.exists():
         raise NestlingError(f"target {p} is a file but not a .gguf; give a model folder or a .gguf file")
-    if "/" in str(model) and not str(model).startswith((".", "/")):
-        raise NestlingError(
-            f"target {model!r} is not a local folder. nestling loads local folders or .gguf files; "
-            f"download the model first (e.g. `huggingface-cli download {model} --local-dir DIR`) and pass DIR."
-        )
+    refuse_remote(model, "target", kind="target")  # a URL or a model hub id: never fetched
     raise NestlingError(f"target {model} does not exist")
 
 
