@@ -35,7 +35,7 @@ from nestling.train.timing import Clocks, Stopwatch
 # SmolLM2 (docs/train.md, "Draft vocabulary"), 98% coverage of the served text cost ~0.06 tokens per forward
 VOCAB_COVERAGE_HINT = 0.99
 # above this many passes over the same training text the log suggests more text instead: measured on
-# SmolLM2 at equal data (docs/train.md, "10 passes over greedy answers"), passes 5 -> 10 over the target's
+# SmolLM2 at equal data (docs/results/recipe.md, "The training budget"), passes 5 -> 10 over the target's
 # greedy answers added 0.02 simulated K=3, one sampled answer per turn at the same steps 0.14
 PASSES_HINT = 6.0
 
@@ -48,7 +48,7 @@ def passes_hint(passes: float) -> str | None:
         f"[train] {passes:.1f} passes over the same training data: past ~5, more passes stopped improving "
         "the draft where more target-written text still did (measured on SmolLM2: 10 passes instead of 5 "
         "+0.02 simulated acceptance, one sampled answer per turn at the same steps +0.14). For more text: "
-        "more conversations, or `nestling regenerate ... sampled=1` (docs/train.md)"
+        "more conversations, or `nestling regenerate ... sampled=1` (docs/regenerate.md)"
     )
 
 

@@ -148,7 +148,7 @@ def _check_positive(name: str, value: float | None) -> None:
 
 # ---- the default learning rate -------------------------------------------------------------------------
 
-# Measured anchors (docs/train.md, "Recipe measurements"): 2e-3 was the best lr for SmolLM2-135M
+# Measured anchors (docs/results/recipe.md, "The learning rate"): 2e-3 was the best lr for SmolLM2-135M
 # (hidden 576) at a short budget; 1e-4 is the usual value for 8B-class (hidden 4096) targets.
 SMALL_HIDDEN, SMALL_LR = 576, 2e-3
 LARGE_HIDDEN, LARGE_LR = 4096, 1e-4
