@@ -13,7 +13,7 @@ both give the same output, and prints the generated kernel's unmasked loads. Und
 `compute-sanitizer --tool memcheck` with PYTORCH_NO_CUDA_MEMORY_CACHING=1 (every tensor its own
 allocation) an unguarded out-of-bounds read shows as an invalid global read; the guarded run should
 show none. Run on an H100 (torch 2.11, length 200): 0 errors for both masks, the same
-output; that torch's kernels read inside `doc` even unguarded (docs/train.md):
+output; that torch's kernels read inside `doc` even unguarded (docs/troubleshooting.md):
 
     python benchmarks/flex_mask_bounds.py [--variant both|unguarded|guarded] [--length 200]
 """

@@ -20,7 +20,7 @@ P_trainable = fc + the decoder layer + norms + lm_head (draft vocab); the frozen
 counted. MFU = FLOPs / time / peak; the peak is --peak-tflops (default: 989 for CUDA = H200 dense
 bf16; on CPU a measured fp32 matmul rate).
 
---online measures online training's step (docs/train.md): a random-weight target of the shape
+--online measures online training's step (docs/train-reference.md): a random-weight target of the shape
 (Llama layers: smollm2 30, llama8b 32) runs through the trainer's own `TargetStates` (capture's
 HFBackend: no LM head, stops after the last needed layer) on the same token batch, then the same
 draft step; it prints the online/offline step-time ratio (the issue's goal: <= 1.2 for smollm2 on
