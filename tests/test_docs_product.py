@@ -179,3 +179,20 @@ def test_every_cited_doc_page_and_section_exists():
             if not any(h.lower().startswith(section) for h in headings(ROOT / page)):
                 broken.append(f'{rel}: {page} has no section "{section}"')
     assert not broken, "\n".join(broken)
+
+
+def test_a_new_reader_finds_the_command_and_the_three_settings_for_their_target():
+    """From the README, one link leads to the train guide's section with the command for one's own
+    target and exactly three numbered settings, each with its measured reason linked to the results."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "docs/train.md#the-three-settings-that-matter" in readme
+    assert re.search(r"nestling run examples/gpu.yaml\s+target=", readme)  # the command for one's own target
+    guide = (ROOT / "docs" / "train.md").read_text(encoding="utf-8")
+    assert "nestling run examples/gpu.yaml target=" in guide  # the command, for the reader's own target
+    section = guide.split("## The three settings that matter", 1)[1].split("\n## ", 1)[0]
+    settings = re.findall(r"^(\d)\. \*\*(.+?)\*\*", section, flags=re.M | re.S)
+    assert [n for n, _ in settings] == ["1", "2", "3"]
+    items = re.split(r"^\d\. ", section, flags=re.M)[1:]
+    for item in items:
+        assert re.search(r"`[\w.]+(: \d|)`", item), item[:80]  # names the setting as it is written
+        assert "](results/recipe.md#" in item, item[:80]  # and links the measurement
