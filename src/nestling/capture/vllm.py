@@ -26,7 +26,14 @@ from nestling.capture.backend import Backend
 from nestling.capture.settings import CaptureSettings
 from nestling.errors import NestlingError
 from nestling.targets.layers import vllm_layer_ids
-from nestling.targets.vllm_rules import HF_HINT, attention_backend, check_cpu_target, is_mla, model_type
+from nestling.targets.vllm_rules import (
+    HF_HINT,
+    attention_backend,
+    check_cpu_target,
+    is_mla,
+    model_type,
+    spawn_engine_processes,
+)
 from nestling.vllm_compat import require
 
 CONNECTOR = "NestlingHiddenStatesConnector"
@@ -286,8 +293,13 @@ class _Engine:
             )
             if bind is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        else:
+            spawn_engine_processes()
         from vllm import LLM
 
+        from nestling.vllm_logs import quiet_harmless_vllm_logs
+
+        quiet_harmless_vllm_logs()  # the chat-template warm-up's traceback where no tokenizer is loaded
         self.llm = LLM(
             model=str(target),
             tokenizer=str(target),

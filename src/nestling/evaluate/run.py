@@ -229,15 +229,17 @@ def _evaluate(draft_dir: Path, target_dir: Path, prompts: str | Path, out: Path,
     drafting = drafting_note(s.temperature, s.draft_sample_method)
     log(f"[eval] {len(ids)} prompts, k={s.k}, engine={s.engine}, temperature={s.temperature}{drafting}")
     engines: dict[str, dict] = {}
-    if s.engine in ("reference", "both"):
-        engines["reference"] = run_reference(target_dir, draft_dir, ids, s)
+    # vLLM first: it sizes its KV cache from the GPU memory free when it starts, which the reference
+    # decoder's tensors in this process would hold (engine both on a GPU: vLLM's engine failed to start)
     if s.engine in ("vllm", "both"):
         try:
             engines["vllm"] = run_vllm_engine(target_dir, draft_dir, ids, s)
         except CannotServe as e:  # vLLM said so before loading anything: measure the draft all the same
             log(f"[eval] the reference decoder measures this draft instead of vLLM: {e}")
-            if "reference" not in engines:  # engine both: measured already
-                engines["reference"] = run_reference(target_dir, draft_dir, ids, s)
+            engines["reference"] = run_reference(target_dir, draft_dir, ids, s)
+    if s.engine in ("reference", "both") and "reference" not in engines:
+        engines["reference"] = run_reference(target_dir, draft_dir, ids, s)
+    engines = {name: engines[name] for name in ("reference", "vllm") if name in engines}  # the report's order
     for name, r in engines.items():
         r["draftable_share"] = draftable_share(draft_dir, r["outputs"])
         if not r.get("num_drafts"):

@@ -41,8 +41,9 @@ def probe() -> dict:
     install_cpu_sampler_kernels()  # what every vLLM worker does first
     from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
 
-    temps = torch.tensor(TEMPERATURES, dtype=torch.float32)
-    cu = torch.tensor(DRAFTS, dtype=torch.int32).cumsum(0).to(torch.int32)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # a GPU build's kernel is Triton: device tensors
+    temps = torch.tensor(TEMPERATURES, dtype=torch.float32, device=device)
+    cu = torch.tensor(DRAFTS, dtype=torch.int32, device=device).cumsum(0).to(torch.int32)
     got = expand_batch_to_tokens(temps, cu, sum(DRAFTS), replace_from=0, replace_to=1).tolist()
     sound = all(abs(a - b) < 1e-6 for a, b in zip(got, want))
     return {"platform": platform, "expanded": got, "expected": want, "sound": sound}

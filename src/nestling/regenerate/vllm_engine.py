@@ -13,7 +13,7 @@ from pathlib import Path
 from nestling.errors import NestlingError
 from nestling.progress import log
 from nestling.regenerate.engine import Completion, Request
-from nestling.targets.vllm_rules import engine_options, whole_prefill
+from nestling.targets.vllm_rules import engine_options, spawn_engine_processes, whole_prefill
 from nestling.regenerate.settings import RegenerateSettings
 
 
@@ -32,6 +32,7 @@ class VLLMEngine:
         from nestling.vllm_compat import require
 
         require("use --engine hf or --engine openai")
+        spawn_engine_processes()
         self.s = s
         kw = {"model": str(target), "dtype": s.dtype, "max_model_len": max_model_len, "seed": s.seed, **s.vllm}
         kw.update({k: v for k, v in engine_options(target, s.dtype).items() if k not in kw})

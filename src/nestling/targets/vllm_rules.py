@@ -4,6 +4,7 @@ rules that capture, eval and regenerate share when they start vLLM (docs/capture
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -197,3 +198,12 @@ def eagle3_serving_limit(config: dict, dtype: str, on_cpu: bool, amx: bool) -> s
         "with AMX tiles (AMX_MLA); its CPU_MLA backend (float32, CPUs without AMX) takes KV blocks of 16 and the "
         "draft's attention multiples of 32 (vLLM: 'No common block size')"
     )
+
+
+def spawn_engine_processes() -> None:
+    """Have vLLM start its engine and worker processes with `spawn` on a GPU machine. A process that touched
+    CUDA before starting vLLM (nestling resolves devices, reads checkpoints, may have run the hf engine) cannot
+    hand CUDA to a forked child: vLLM 0.26's engine core then died with "Cannot re-initialize CUDA in forked
+    subprocess" (the INT4 MLA capture on an H100). A user's own setting is kept; CPU builds keep fork."""
+    if torch.cuda.is_available():
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
