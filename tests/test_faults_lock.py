@@ -65,7 +65,7 @@ def winner_and_loser(a: Child, b: Child, timeout: float = 120) -> tuple[Child, C
         time.sleep(0.02)
 
 
-def test_two_runs_on_one_folder_started_together(target, chat, tmp_path):
+def test_two_runs_on_one_folder_started_together_then_the_winner_killed(target, chat, tmp_path):
     run_dir = tmp_path / "run"
     cfg = run_config(tmp_path, target, chat, run_dir)
     args = ["run", cfg, "--until", "data"]
@@ -82,34 +82,22 @@ def test_two_runs_on_one_folder_started_together(target, chat, tmp_path):
         assert "nestling status" in msg and "Traceback" not in loser.text
         holder = (run_dir / ".lock").read_text()
         assert holder.startswith(f"pid {winner.pid} on {socket.gethostname()} since ")
-        # the winner goes on undisturbed
-        winner.resume()
-        assert winner.finish(120) == 0, winner.text
-        assert json.loads((run_dir / "state" / "data.json").read_text())["status"] == "complete"
-        assert not (run_dir / ".lock").exists()  # released on the way out
+        # the winner is killed (kill -9: nothing of it runs again): its lock is left behind, not held
+        winner.signal(signal.SIGKILL, group=True)
+        assert winner.finish(30) == -signal.SIGKILL
+        assert strays(winner) == []
     finally:
         for c in (a, b):
             c.kill()
-
-
-def test_a_killed_runs_lock_is_taken_over(target, chat, tmp_path):
-    run_dir = tmp_path / "run"
-    cfg = run_config(tmp_path, target, chat, run_dir)
-    first = Child(["run", cfg, "--until", "data"], stop_at=WINNER_STOPS)
-    try:
-        first.wait_stopped(120)
-        first.signal(signal.SIGKILL, group=True)
-        assert first.finish(30) == -signal.SIGKILL
-        assert strays(first) == []
-    finally:
-        first.kill()
-    assert f"pid {first.pid} on" in (run_dir / ".lock").read_text()  # left behind, not held
-    second = Child(["run", cfg, "--until", "data"])
-    assert second.finish(120) == 0, second.text
-    assert f"[lock] {run_dir}: took over the lock of a process that ended without releasing it (pid {first.pid} on" in (
-        second.text
+    assert f"pid {winner.pid} on" in (run_dir / ".lock").read_text()
+    third = Child(args)
+    assert third.finish(120) == 0, third.text
+    assert (
+        f"[lock] {run_dir}: took over the lock of a process that ended without releasing it (pid {winner.pid} on"
+        in (third.text)
     )
     assert json.loads((run_dir / "state" / "data.json").read_text())["status"] == "complete"
+    assert not (run_dir / ".lock").exists()  # released on the way out
 
 
 def test_two_captures_on_one_folder_started_together(target, chat, tmp_path, capsys):

@@ -101,16 +101,29 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from nestling import faults, interrupt
+
+    interrupt.install()  # SIGTERM and SIGHUP unwind like Ctrl-C: cleanup runs, state is kept, one line says so
+    faults.watch()  # which engine process died, when one does
     try:
         from nestling.inputs import check_argv_names
 
         check_argv_names(args.command, argv)  # a URL or hub id: refused now, before any import or network
         rc = args.func(args)
-    except KeyboardInterrupt:
-        print(f"nestling {args.command}: interrupted; run the same command again to continue.", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        print(interrupt.message(args.command, e), file=sys.stderr, flush=True)
+        return interrupt.exit_code(e)
     except (NestlingError, OSError) as e:
         return report_error(args.command, e, debug=debug)
+    except Exception as e:
+        known = faults.describe(e)  # an engine worker that died: one line, not the engine's traceback
+        if known is None:
+            raise
+        if debug:
+            traceback.print_exception(e, file=sys.stderr)
+        return report_error(args.command, NestlingError(known))
+    finally:
+        interrupt.uninstall()
     return int(rc or 0)
 
 

@@ -279,7 +279,19 @@ def claim(out: str | Path, stage: str, inputs: Inputs = ()) -> Iterator[Path]:
     try:
         with lock(out, f"`nestling {stage}`", "wait for it to finish, or write to another --out folder"):
             mark(out, stage)
-            yield out
+            try:
+                yield out
+            except (KeyboardInterrupt, Exception) as e:  # Ctrl-C, SIGTERM, a dead engine: what a rerun keeps
+                if not hasattr(e, "kept") and not isinstance(e, NestlingError):
+                    from nestling.interrupt import kept
+
+                    try:
+                        e.kept = kept(stage, out)  # type: ignore[union-attr]
+                        if stage == "train":
+                            e.resume = "run the same command with --resume to continue"  # type: ignore[union-attr]
+                    except AttributeError:  # an exception type without a __dict__
+                        pass
+                raise
     finally:
         if not marked and out.is_dir() and {p.name for p in out.iterdir()} <= {MARKER}:
             (out / MARKER).unlink(missing_ok=True)

@@ -376,5 +376,8 @@ def write_shards(
         writer.close()
     except BaseException:
         writer.abort()
+        for split in todo:  # the shard in flight of an engine that fills it itself (vllm): preallocated, maybe GBs
+            for stale in (out / split).glob(".shard-*.tmp"):
+                stale.unlink(missing_ok=True)
         raise
     return writer.bytes_written

@@ -16,6 +16,7 @@ from multiprocessing.pool import Pool
 import numpy as np
 
 from nestling.data.readers import RawRecord, error_reason
+from nestling.errors import NestlingError
 from nestling.data.settings import DataSettings
 
 CHUNK = 64  # conversations per worker task: large enough for batched tokenization, small for balance
@@ -66,6 +67,9 @@ def share(fmt, settings: DataSettings, records: list) -> None:
 
 
 def _init_worker(target_dir: str, template: str | None, settings: DataSettings, records=None) -> None:
+    from nestling.interrupt import worker_defaults
+
+    worker_defaults()  # Ctrl-C reaches the whole process group: the parent stops the pool, not each worker
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     if "fmt" not in STATE:
         from transformers import AutoTokenizer
@@ -179,4 +183,43 @@ def start_pool(
         pool = mp.get_context("fork").Pool(workers, _init_worker, (str(target_dir), template, settings))
     else:  # spawn: each worker loads the tokenizer and receives the records
         pool = mp.get_context("spawn").Pool(workers, _init_worker, (str(target_dir), template, settings, records))
-    return pool, pool.imap(process, ranges, chunksize=1)
+    return pool, watched(pool, pool.imap(process, ranges, chunksize=1))
+
+
+def watched(pool: Pool, results: Iterator[list[Outcome]], poll: float = 0.5) -> Iterator[list[Outcome]]:
+    """The pool's results in input order; a worker that dies (killed, out of memory) is an error that names
+    it. multiprocessing.Pool starts a replacement but loses the dead worker's task, so the results would
+    otherwise wait for it forever."""
+    seen: dict[int, mp.process.BaseProcess] = {}
+    while True:
+        for p in list(pool._pool):  # type: ignore[attr-defined]  # the workers now (replacements join)
+            seen.setdefault(p.pid, p)
+        try:
+            item = results.next(timeout=poll)  # type: ignore[attr-defined]
+        except StopIteration:
+            return
+        except mp.TimeoutError:
+            dead = [p for p in seen.values() if p.exitcode not in (None, 0)]
+            if dead:
+                raise NestlingError(died(dead[0].pid, dead[0].exitcode)) from None
+            continue
+        yield item
+
+
+def died(pid: int | None, code: int | None) -> str:
+    """The message for a data worker that ended with exit status `code` (negative: killed by that signal)."""
+    import signal
+
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+        how = f"was killed by {name} while tokenizing" + (
+            " (the out-of-memory killer sends SIGKILL: check `dmesg`, or use fewer workers)"
+            if -code == signal.SIGKILL
+            else ""
+        )
+    else:
+        how = f"ended with exit status {code} while tokenizing"
+    return (
+        f"data worker process {pid} {how}; no shard was marked complete: run the same command again "
+        "(workers=1 tokenizes in the main process)"
+    )

@@ -22,7 +22,7 @@ from nestling.export import contract
 from nestling.export.settings import ExportSettings
 from nestling.inputs import read_json
 from nestling.manifest import MANIFEST, hash_files, read_manifest, write_manifest
-from nestling.progress import log
+from nestling.progress import format_bytes, log
 from nestling.targets.layers import sglang_layer_ids, vllm_layer_ids
 
 BUILD_PREFIX = ".export-build-"  # outdir.OWNS["export"] names it: a crashed build is removed by the next export
@@ -128,6 +128,7 @@ def _export(
         build.mkdir()
         (build / contract.CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         save_safetensors(tensors, build / contract.WEIGHTS, metadata={"format": "pt"})
+        log(f"[export] {format_bytes((build / contract.WEIGHTS).stat().st_size)} written; reloading it to check it")
         verify(build, cfg, dtype)
         swap_in(build, out)
     finally:

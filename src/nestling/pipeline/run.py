@@ -265,20 +265,41 @@ def _run(plan: RunPlan, after_stage: Callable[[StageOutcome], None] | None) -> l
         t_run = time.monotonic()
         if plan.mode_note:
             log(f"[run] train: {plan.mode_note}")
-        for stage in plan.active:
-            key = stage_key(stage, plan.config.settings[stage.name], previous, plan.fingerprints)
-            previous = key
-            outcomes.append(_do_stage(plan, stage, key))
-            if after_stage is not None:
-                after_stage(outcomes[-1])
-            if stage.name == plan.until:
-                log(f"[run] stopping after {plan.until} (--until)")
-                break
+        current = None
+        try:
+            for stage in plan.active:
+                current = stage
+                key = stage_key(stage, plan.config.settings[stage.name], previous, plan.fingerprints)
+                previous = key
+                outcomes.append(_do_stage(plan, stage, key))
+                current = None
+                if after_stage is not None:
+                    after_stage(outcomes[-1])
+                if stage.name == plan.until:
+                    log(f"[run] stopping after {plan.until} (--until)")
+                    break
+        except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM (nestling.interrupt): what the rerun keeps
+            _note_interrupt(e, plan, outcomes, current)
+            raise
         log(
             f"[run] done in {format_duration(time.monotonic() - t_run)}: "
             + ", ".join(f"{o.name} {o.action}" for o in outcomes)
         )
     return outcomes
+
+
+def _note_interrupt(e: KeyboardInterrupt, plan: RunPlan, outcomes: list[StageOutcome], current: Stage | None) -> None:
+    """Attach to the interrupt what the run keeps (the stages complete, what the stage in flight finished)
+    for the command line's one line (nestling.interrupt.message)."""
+    from nestling.interrupt import kept
+
+    done = [o.name for o in outcomes]
+    parts = [f"{', '.join(done)} complete"] if done else []
+    if current is not None:
+        parts.append(f"{current.name}: {getattr(e, 'kept', None) or kept(current.name, plan.run_dir / current.name)}")
+        e.stage = current.name  # type: ignore[attr-defined]
+    e.kept = "; ".join(parts) or "nothing yet"  # type: ignore[attr-defined]
+    e.resume = "run the same command again to resume (complete stages are skipped)"  # type: ignore[attr-defined]
 
 
 def _do_stage(plan: RunPlan, stage: Stage, key: str) -> StageOutcome:

@@ -111,7 +111,11 @@ def tee_stderr(log_path: Path, header: str) -> Iterator[None]:
         try:
             yield
         except BaseException as e:
-            if not isinstance(e, (KeyboardInterrupt, SystemExit)):
+            if isinstance(e, KeyboardInterrupt):
+                from nestling.interrupt import message
+
+                log.write(message("run", e) + "\n")
+            elif not isinstance(e, SystemExit):
                 log.write(f"failed: {type(e).__name__}: {e}\n")
             raise
         finally:
