@@ -113,7 +113,7 @@ def read_inputs(inputs: list[Path], limit: int | None) -> tuple[list[tuple[str, 
     prefixed with its position), and one report per input."""
     records: list[tuple[str, RawRecord]] = []
     reports: list[InputReport] = []
-    for p, name in zip(inputs, _sample_names(inputs)):
+    for p, name in zip(inputs, sample_names(inputs)):
         recs, report = read_input(p, limit)
         if report.stopped:
             log(
@@ -124,7 +124,9 @@ def read_inputs(inputs: list[Path], limit: int | None) -> tuple[list[tuple[str, 
     return records, reports
 
 
-def _sample_names(inputs: list[Path]) -> list[str]:
+def sample_names(inputs: list[Path]) -> list[str]:
+    """Each input's name in its records' sample ids (`NAME:index`): its file name, prefixed with its
+    position where two inputs share one."""
     names = [p.name for p in inputs]
     return [n if names.count(n) == 1 else f"{k}-{n}" for k, n in enumerate(names)]
 

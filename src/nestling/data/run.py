@@ -74,7 +74,8 @@ def _prepare_claimed(
     workers and the shared worker state are gone afterwards, however the run ends."""
     t0 = time.monotonic()
     workers = settings.workers or os.cpu_count() or 1
-    early = headstart.start(inputs, target_dir, template, settings, workers, out)  # while transformers loads
+    # while transformers loads; not with weights, which change the records it would tokenize
+    early = None if settings.weights else headstart.start(inputs, target_dir, template, settings, workers, out)
     try:
         return _prepare(inputs, target_dir, template, out, settings, workers, t0, early)
     finally:
@@ -143,6 +144,7 @@ def _prepare(
         counts=shards.manifest_counts(len(records)),
         examples=shards.examples,
         splits=shards.stats,
+        sources=shards.by_source,
         elapsed_s=round(elapsed, 2),
     )
     _log_summary(shards, len(records), settings, elapsed, out)
@@ -223,7 +225,29 @@ def _read_records(
     inputs; its results count only if its format is `fmt` (else its workers are stopped)."""
     if early is not None:
         return early.records, early.reports, early.take(fmt, tok_fp)
-    return *read_inputs(inputs, settings.limit), None
+    records, reports = read_inputs(inputs, settings.limit)
+    if settings.weights:
+        records = _weighed(records, inputs, settings)
+    return records, reports, None
+
+
+def _weighed(records: list, inputs: list[Path], settings: DataSettings) -> list:
+    """The records repeated or sampled by `settings.weights` (mixing.py), said in one line per weighed input."""
+    from nestling.data.mixing import input_weights, source_of, weigh, weighed_count
+    from nestling.data.readers import sample_names
+
+    names = sample_names(inputs)
+    weights = input_weights(inputs, settings.weights)
+    groups: dict[str, list] = {n: [] for n in names}
+    for rec in records:
+        groups[source_of(rec[0])].append(rec)
+    out = weigh([groups[n] for n in names], weights, settings.seed)
+    for n, w in zip(names, weights):
+        if w != 1.0:
+            log(
+                f"[data] weight {w:g} on {n}: {len(groups[n]):,} conversations used as {weighed_count(len(groups[n]), w):,}"
+            )
+    return out
 
 
 def _tokenize(
@@ -305,6 +329,11 @@ def _log_summary(shards: Shards, read: int, settings: DataSettings, elapsed: flo
         + f"; {stats['train']['tokens']:,} train tokens ({stats['train']['supervised_tokens']:,} supervised), "
         + f"{stats['heldout']['samples']} held out; {format_duration(elapsed)} -> {out}"
     )
+    if len(shards.by_source) > 1:
+        from nestling.data.mixing import share_lines
+
+        for line in share_lines(shards.by_source):
+            log(line)
     hint = cut_hint(shards.supervised_cut, kept, settings.max_length)
     if hint:
         log(hint)

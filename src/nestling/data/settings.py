@@ -24,6 +24,8 @@ class DataSettings:
     shard_samples: int = 4096  # samples per parquet shard
     workers: int = 0  # processes for rendering + tokenizing; 0 = all CPU cores
     role_map: dict = field(default_factory=dict)  # extra `from`/`role` names -> user|assistant|system|tool
+    # input -> how many times its conversations are used (2: twice, 0.5: a seeded half); docs/data.md "Mixing"
+    weights: dict = field(default_factory=dict)
     template_timeout: float = (
         10.0  # CPU seconds one conversation may take to render; slower ones are dropped (0 = no bound)
     )
@@ -47,6 +49,11 @@ class DataSettings:
             raise NestlingError(f"limit must be positive, got {self.limit}")
         if self.workers < 0:
             raise NestlingError(f"workers is a number of processes (0 = one per CPU core), got {self.workers}")
+        for k, w in self.weights.items():
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w < float("inf"):
+                raise NestlingError(
+                    f"weights.{k}={w!r}: a weight is a positive number (how many times the input's conversations are used)"
+                )
         from nestling.data.normalize import ROLES
 
         bad = {k: v for k, v in self.role_map.items() if v not in ROLES}

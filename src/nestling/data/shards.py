@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nestling.data.dataset import SPLITS, Sample, write_shard
+from nestling.data.mixing import source_of
 from nestling.data.settings import DataSettings
 from nestling.data.workers import Outcome
 
@@ -46,6 +47,8 @@ class Shards:
     examples: dict[str, list[str]] = field(default_factory=dict)  # a few dropped ids (and details) per reason
     buffers: dict[str, list[Sample]] = field(default_factory=lambda: {s: [] for s in SPLITS})
     stats: dict[str, dict[str, Any]] = field(default_factory=_empty_stats)  # the manifest's `splits`
+    # kept conversations and tokens per input (both splits), in input order: the manifest's `sources`
+    by_source: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -67,6 +70,9 @@ class Shards:
                     ex.append(f"{o.sample_id}: {o.detail}" if o.detail else o.sample_id)
                 continue
             self.rows_dropped.update(o.rows_dropped)
+            src = self.by_source.setdefault(source_of(o.sample_id), {"conversations": 0, "tokens": 0})
+            src["conversations"] += 1
+            src["tokens"] += sum(len(r.input_ids) for r in o.rows)
             # by the conversation (every answer to one regenerated conversation: workers.split_group),
             # so every row of a conversation lands in the same split
             split = "heldout" if heldout_of(o.group or o.sample_id, settings.seed, settings.held_out) else "train"

