@@ -18,6 +18,7 @@ from nestling.capture.backend import make_backend
 from nestling.capture.settings import CaptureSettings, compute_dtype, parse_size, resolve
 from nestling.capture.store import (
     FP8,
+    OutOfSpace,
     ShardPlan,
     ShardWriter,
     batches,
@@ -221,7 +222,10 @@ def _capture(data_dir: Path, target_dir: Path, out: Path, settings: CaptureSetti
     head = f"[capture] layers {layer_ids} of {L}, {settings.dtype}, hidden {hidden_size}: {format_bytes(bpt)}/token"
     _check_disk(head, splits, todo_tok, bpt, out, settings.ignore_disk_check)
     if todo_tok:
-        _run(todo, target_dir, layer_ids, hidden_size, dtype, out, settings, run_key)
+        try:
+            _run(todo, target_dir, layer_ids, hidden_size, dtype, out, settings, run_key)
+        except OutOfSpace as e:
+            raise NestlingError(f"{e} {still_needed(todo, out, bpt)}") from None
     stats = {}
     for split, samples in splits.items():
         finish_checksums(out / split, plans[split])
@@ -272,6 +276,20 @@ def _plan_shards(
                 f.unlink()
         todo[split] = [p for p in plans[split] if shard_key(sdir / shard_name(p.index)) != p.key]
     return plans, todo
+
+
+def still_needed(todo: dict[str, list[ShardPlan]], out: Path, bpt: int) -> str:
+    """What the capture needs to finish, said when a write ran out of space: the unfinished shards' bytes,
+    the largest one (what a file-size limit must allow), what is free, what is kept."""
+    left = [p for split, plans in todo.items() for p in plans if shard_key(out / split / shard_name(p.index)) != p.key]
+    done = sum(len(plans) for plans in todo.values()) - len(left)
+    need = sum(p.tokens for p in left) * bpt
+    largest = max((p.tokens for p in left), default=0) * bpt
+    return (
+        f"The capture still needs {format_bytes(need)} for {len(left)} unfinished shard(s) (the largest "
+        f"{format_bytes(largest)}); {format_bytes(outdir.free_bytes(out))} is free on {out} now; "
+        f"{done} shard(s) finished in this run are kept."
+    )
 
 
 def _check_disk(head: str, splits: dict, todo_tok: int, bpt: int, out: Path, ignore: bool) -> None:

@@ -266,11 +266,8 @@ class ShardWriter:
     def _check(self) -> None:
         if self.error is not None:
             e = self.error
-            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-                raise NestlingError(
-                    f"the disk is full while writing {getattr(e, 'filename', None) or 'a shard'}: free space or "
-                    f"point --out at a larger disk, then run the same command again (complete shards are kept)."
-                ) from None
+            if isinstance(e, OSError) and e.errno in OUT_OF_SPACE:
+                raise OutOfSpace(e.errno, getattr(e, "filename", None)) from None
             if isinstance(e, OSError):
                 raise NestlingError(f"cannot write capture shards: {e}") from None
             raise e
@@ -352,6 +349,22 @@ class ShardWriter:
 
 class _Aborted(Exception):
     pass
+
+
+OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class OutOfSpace(NestlingError):
+    """A shard write stopped by a full disk, a quota or a file-size limit (capture/run.py adds how much
+    the capture still needs)."""
+
+    def __init__(self, code: int, filename: str | None):
+        self.errno, self.filename = code, filename
+        what = {errno.EFBIG: "a file-size limit (`ulimit -f`, or the filesystem's own) stopped the write of"}
+        super().__init__(
+            f"{what.get(code, 'the disk is full while writing')} {filename or 'a shard'}: free space or point "
+            "--out at a larger disk, then run the same command again (complete shards are kept)."
+        )
 
 
 def write_index(split_dir: Path, samples: list[Sample], plans: list[ShardPlan]) -> list[dict]:

@@ -7,6 +7,7 @@ and check every tensor and config field against `contract.py`, then write the ma
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -126,8 +127,21 @@ def _export(
     build = out / f"{BUILD_PREFIX}{os.getpid()}"  # built and verified here, inside the claimed folder
     try:
         build.mkdir()
-        (build / contract.CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        save_safetensors(tensors, build / contract.WEIGHTS, metadata={"format": "pt"})
+        try:
+            (build / contract.CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+            save_safetensors(tensors, build / contract.WEIGHTS, metadata={"format": "pt"})
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise
+            from nestling.outdir import free_bytes
+
+            need = sum(t.numel() * t.element_size() for t in tensors.values())
+            limit = e.strerror + ("; a file-size limit (`ulimit -f`) stopped it" if e.errno == errno.EFBIG else "")
+            raise NestlingError(
+                f"could not write the draft in {out} ({limit}): it needs {format_bytes(need)}, "
+                f"{format_bytes(free_bytes(out))} is free there; nothing in {out} was replaced. Free space "
+                "(or raise the limit) and run the same command again."
+            ) from None
         log(f"[export] {format_bytes((build / contract.WEIGHTS).stat().st_size)} written; reloading it to check it")
         verify(build, cfg, dtype)
         swap_in(build, out)

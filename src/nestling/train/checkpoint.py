@@ -88,11 +88,17 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         kept = list_checkpoints(root)
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:200]
+        from nestling.outdir import free_bytes
+        from nestling.progress import format_bytes
+
+        need, largest = _checkpoint_bytes(weights, optimizer_state)
         raise NestlingError(
             f"could not write checkpoint {final.name} in {root} ({why}); the partial checkpoint was "
             f"removed, "
             + (f"{kept[-1].name} is kept" if kept else "no earlier checkpoint exists")
-            + ".\n  Free space (or fix the folder) and run the same command with --resume to continue."
+            + f". A checkpoint needs about {format_bytes(need)} (its largest file {format_bytes(largest)}); "
+            f"{format_bytes(free_bytes(root))} is free there."
+            + "\n  Free space (or fix the folder) and run the same command with --resume to continue."
         ) from e
     except BaseException:  # anything else (an interrupt): the partial checkpoint goes too
         shutil.rmtree(tmp, ignore_errors=True)
@@ -103,6 +109,22 @@ def save(
     for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _checkpoint_bytes(weights: dict[str, torch.Tensor], optimizer_state: dict) -> tuple[int, int]:
+    """(bytes of a checkpoint, bytes of its largest file): its weights and the optimizer state's tensors."""
+
+    def tensor_bytes(obj) -> int:
+        if isinstance(obj, torch.Tensor):
+            return obj.numel() * obj.element_size()
+        if isinstance(obj, dict):
+            return sum(tensor_bytes(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return sum(tensor_bytes(v) for v in obj)
+        return 0
+
+    w, o = tensor_bytes(weights), tensor_bytes(optimizer_state)
+    return w + o, max(w, o)
 
 
 def clean_partial(root: Path) -> None:
