@@ -111,11 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         check_argv_names(args.command, argv)  # a URL or hub id: refused now, before any import or network
         rc = args.func(args)
     except KeyboardInterrupt as e:
+        faults.stop_descendants()  # nothing this command started outlives it (a subprocess it waited on)
         print(interrupt.message(args.command, e), file=sys.stderr, flush=True)
         return interrupt.exit_code(e)
     except (NestlingError, OSError) as e:
+        faults.stop_descendants()
         return report_error(args.command, e, debug=debug)
     except Exception as e:
+        faults.stop_descendants()
         known = faults.describe(e)  # an engine worker that died: one line, not the engine's traceback
         if known is None:
             raise

@@ -99,12 +99,57 @@ class Roster:
             return sorted(((p, self.seen[p]) for p in recent), key=lambda x: self.gone_at[x[0]])
 
 
+def descendants() -> list[int]:
+    """Every live process this one started, directly or not (Linux /proc; [] elsewhere)."""
+    todo, found = [os.getpid()], []
+    while todo:
+        for c in _children(todo.pop()):
+            if c not in found:
+                found.append(c)
+                todo.append(c)
+    return [p for p in found if not _zombie(p)]
+
+
+_before: set[int] = set()  # descendants that were there when the command started (not its own)
+
+
+def stop_descendants(grace: float = 5.0) -> list[str]:
+    """After a stop or an error: end every process the command started that is still running (an engine's
+    workers, a subprocess a stage was waiting on), SIGTERM first, SIGKILL after `grace` seconds. All are
+    listed before any is signalled: a worker whose parent ends first is re-parented and would be missed.
+    Processes that were running before the command started (`watch`; a host program calling the CLI in
+    its own process may have its own) are left alone. Returns the titles of those that needed it."""
+    import signal
+
+    procs = {p: _name(p) for p in descendants() if p not in _before}
+    for p in procs:
+        try:
+            os.kill(p, signal.SIGTERM)
+        except OSError:
+            pass
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(not _zombie(p) for p in procs):
+        time.sleep(0.05)
+    for p in procs:
+        if not _zombie(p):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+    return [f"{n} (pid {p})" for p, n in procs.items()]
+
+
 _roster: list[Roster] = []
 
 
 def watch() -> None:
-    """Start the roster (once per process; Linux only)."""
-    if not _roster and Path("/proc/self/task").is_dir():
+    """At a command's start: note the processes already running under this one, and start the roster
+    (once per process; Linux only)."""
+    if not Path("/proc/self/task").is_dir():
+        return
+    _before.clear()
+    _before.update(descendants())
+    if not _roster:
         _roster.append(Roster())
 
 
