@@ -136,7 +136,9 @@ def _export(
             from nestling.outdir import free_bytes
 
             need = sum(t.numel() * t.element_size() for t in tensors.values())
-            limit = e.strerror + ("; a file-size limit (`ulimit -f`) stopped it" if e.errno == errno.EFBIG else "")
+            limit = (e.strerror or str(e)) + (
+                "; a file-size limit (`ulimit -f`) stopped it" if e.errno == errno.EFBIG else ""
+            )
             raise NestlingError(
                 f"could not write the draft in {out} ({limit}): it needs {format_bytes(need)}, "
                 f"{format_bytes(free_bytes(out))} is free there; nothing in {out} was replaced. Free space "
