@@ -55,6 +55,14 @@ class Child:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         self.signalled_at: float | None = None
+        self.seen: dict[int, str] = {}  # every process seen under the child (`snapshot`), by pid
+
+    def snapshot(self) -> list[int]:
+        """The child's descendants now (also those in sessions of their own), remembered for `strays`."""
+        found = descendants(self.pid)
+        for p in found:
+            self.seen.setdefault(p, start_time(p))
+        return found
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -93,6 +101,7 @@ class Child:
             assert self.proc.poll() is None, f"exited before stopping:\n{self.text[-4000:]}"
             assert time.monotonic() - t0 < timeout, f"did not stop within {timeout} s:\n{self.text[-4000:]}"
             time.sleep(0.01)
+        self.snapshot()
 
     def signal(self, sig: int, group: bool = False) -> None:
         """Send `sig` to the child (`group`: to its whole process group, as a terminal's Ctrl-C does)."""
@@ -120,12 +129,45 @@ class Child:
         return time.monotonic() - self.signalled_at
 
     def kill(self) -> None:
-        """SIGKILL every process of the child's session (cleanup)."""
-        for pid in [self.pid, *session_processes(self.pid)]:
+        """SIGKILL every process of the child's session and every one seen under it (cleanup)."""
+        for pid in [self.pid, *session_processes(self.pid), *self.alive_seen()]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(Exception):
             self.proc.wait(10)
+
+    def alive_seen(self) -> list[int]:
+        """Processes seen under the child that still run (the same process: same start time)."""
+        return [
+            p
+            for p, t in self.seen.items()
+            if t is not None and start_time(p) == t and proc_state(p) not in (None, "Z", "X")
+        ]
+
+
+def start_time(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()[19]
+
+
+def descendants(pid: int) -> list[int]:
+    """Live processes under `pid` (children, their children, ...)."""
+    todo, found = [pid], []
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = [int(x) for x in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            for k in kids:
+                if k not in found:
+                    found.append(k)
+                    todo.append(k)
+    return found
 
 
 def proc_state(pid: int) -> str | None:
@@ -161,9 +203,12 @@ def cmdline(pid: int) -> str:
 
 
 def strays(child: Child, grace: float = 10.0) -> list[str]:
-    """The processes `child` started that are still alive `grace` seconds after it exited (killed then)."""
+    """The processes `child` started that are still alive `grace` seconds after it exited (killed then):
+    those of its session and those seen under it (`Child.snapshot`, taken where it stopped)."""
     t0 = time.monotonic()
-    while (left := session_processes(child.pid)) and time.monotonic() - t0 < grace:
+    while (
+        left := sorted(set(session_processes(child.pid)) | set(child.alive_seen()))
+    ) and time.monotonic() - t0 < grace:
         time.sleep(0.1)
     found = [f"{pid}: {cmdline(pid)}" for pid in left]
     child.kill()

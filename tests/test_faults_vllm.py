@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from capture_fixture import TINY_TRAIN, cached_capture
-from fault_helpers import Child, session_processes, strays, temp_files
+from fault_helpers import Child, strays, temp_files
 from vllm_capture_helpers import LAYERS, _data
 
 from nestling.capture.store import shard_key
@@ -29,7 +29,7 @@ def vllm_worker(child: Child) -> int:
     """The pid of the engine's worker process (`VLLM::Worker`) under `child` (its engine core's: ENGINES)."""
     from fault_helpers import cmdline
 
-    procs = {p: cmdline(p) for p in session_processes(child.pid)}
+    procs = {p: cmdline(p) for p in child.snapshot()}  # its own session's, and a subprocess's in another
     found = [p for p, c in procs.items() if c.startswith("VLLM::Worker")]
     assert len(found) == 1, procs
     ENGINES[child.pid] = next(p for p, c in procs.items() if c.startswith("VLLM::EngineCore"))
@@ -164,8 +164,9 @@ def test_eval_a_dead_worker_is_named(tiny_target, draft, tmp_path):
         pid: list[int] = []
         stopped_then(child, lambda: (pid.append(vllm_worker(child)), os.kill(pid[0], signal.SIGKILL)))
         assert child.finish(120) == 1, child.text[-3000:]
-        assert child.lines[-1].startswith(
-            f"nestling eval: error: the vLLM engine stopped: its process VLLM::Worker (pid {pid[0]}) died"
+        assert child.lines[-1] == (
+            "nestling eval: error: the vLLM engine stopped: its process VllmWorker-0 died (killed by SIGKILL; killed, "
+            "or out of memory: check `dmesg`); nothing of this eval was written: run the same command again"
         ), child.text[-3000:]
         assert "Traceback" not in child.lines[-1] and strays(child) == []
     finally:

@@ -10,7 +10,7 @@ import os
 import signal
 import time
 
-from fault_helpers import Child, session_processes, strays, temp_files
+from fault_helpers import Child, strays, temp_files
 
 
 def test_a_killed_data_worker_is_named_and_the_rerun_completes(tiny_target, sharegpt_path, tmp_path):
@@ -22,7 +22,7 @@ def test_a_killed_data_worker_is_named_and_the_rerun_completes(tiny_target, shar
     child = Child(args, env={"NESTLING_PROGRESS_INTERVAL": "0"}, stop_at=r"^\[data\] 64/600")
     try:
         child.wait_stopped(240)
-        workers = [p for p in session_processes(child.pid) if p != child.pid]
+        workers = child.snapshot()
         assert len(workers) == 2
         os.kill(workers[0], signal.SIGKILL)
         t0 = time.monotonic()
