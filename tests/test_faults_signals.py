@@ -191,3 +191,19 @@ def test_a_signal_to_a_stage_command_says_how_to_continue(tiny_target, sharegpt_
     child = Child([*args, "--resume"], env=ENV)
     assert child.finish(240) == 0, child.text[-3000:]
     assert "step-00000002" in child.text
+
+
+def test_the_command_line_in_a_callers_process_leaves_its_signal_handlers(tmp_path):
+    """`nestling.cli.main` called from a program (or a test) puts back the handlers it found."""
+    from nestling.cli import main
+
+    def mine(signum, frame):
+        pass
+
+    old = {s: signal.signal(s, mine) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    try:
+        main(["status", str(tmp_path / "nothing")])
+        assert all(signal.getsignal(s) is mine for s in old)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -63,25 +63,27 @@ def install() -> None:
         return
     _state.clear()
     _state["pid"] = os.getpid()
+    _state["previous"] = {}
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         try:
-            if signal.getsignal(sig) is signal.SIG_IGN:  # started under nohup: keep ignoring
+            previous = signal.getsignal(sig)
+            if previous is signal.SIG_IGN:  # started under nohup: keep ignoring
                 continue
             signal.signal(sig, _handler)
+            _state["previous"][sig] = previous
         except (OSError, ValueError):
             pass
 
 
 def uninstall() -> None:
-    """The handlers Python starts with (for tests that call the CLI in their own process)."""
+    """The handlers there were before `install` (a program or test that calls the CLI in its process)."""
     import threading
 
     if threading.current_thread() is not threading.main_thread() or not _state:
         return
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig, previous in _state.get("previous", {}).items():
         if signal.getsignal(sig) is _handler:
-            signal.signal(sig, signal.SIG_DFL)
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
     _state.clear()
 
 
