@@ -42,3 +42,45 @@ def test_a_killed_data_worker_is_named_and_the_rerun_completes(tiny_target, shar
     child = Child(args)
     assert child.finish(240) == 0, child.text[-3000:]
     assert json.loads((out / "manifest.json").read_text())["counts"]["read"] == 600
+
+
+def test_a_dead_engine_stops_regenerate_and_keeps_what_finished(tiny_target, tmp_path, monkeypatch, capsys):
+    """An engine whose processes died answers every request left with vLLM's EngineDeadError. Those are
+    not failed conversations (recorded as such, the run 'completed' with them lost for good): the run
+    stops, keeps the chunks and conversations that finished, and the rerun answers the rest. The real
+    engine: tests/test_faults_vllm.py; here the hf engine returns vLLM's error from its second call on."""
+    from hostile_helpers import cli, fails_cleanly
+
+    from nestling.regenerate import hf_engine
+    from nestling.regenerate.engine import Completion, waves
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(
+        json.dumps({"id": f"c{i}", "conversations": [{"from": "human", "value": f"Say {i}."}, {"from": "gpt", "value": "x"}]})
+        + "\n"
+        for i in range(8)
+    ))  # fmt: skip
+    real, calls = hf_engine.HFEngine.generate, []
+
+    def dying(self, requests):
+        calls.append(len(requests))
+        if len(calls) > 1:
+            return [Completion(error="engine_error", detail="EngineDeadError: EngineCore encountered an issue.")] * len(
+                requests
+            )
+        return real(self, requests)
+
+    monkeypatch.setattr(hf_engine.HFEngine, "stream", lambda self, first, follow: waves(self, first, follow))
+    monkeypatch.setattr(hf_engine.HFEngine, "generate", dying)
+    out = tmp_path / "regen"
+    args = ["regenerate", src, "--target", tiny_target("llama"), "--out", out, "--engine", "hf"]
+    args += ["chunk_size=4", "max_new_tokens=4", "dtype=float32"]
+    msg = fails_cleanly(capsys, *args)
+    assert msg.startswith("error: the vLLM engine stopped: one of its processes died"), msg
+    assert f"kept 4 answered conversation(s) in {out}; the rerun answers only the rest" in msg, msg
+    assert (out / "messages.jsonl").read_bytes().count(b"\n") == 4
+    assert not (out / "failed.jsonl").exists() or (out / "failed.jsonl").read_bytes() == b""
+    monkeypatch.setattr(hf_engine.HFEngine, "generate", real)
+    rc, err = cli(capsys, *args)
+    assert rc == 0, err
+    assert "8 kept, 0 failed" in err

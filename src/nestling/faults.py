@@ -15,7 +15,18 @@ import threading
 import time
 from pathlib import Path
 
-ENGINE_DEAD = ("EngineDeadError", "EngineGenerateError")
+ENGINE_DEAD = ("EngineDeadError",)  # vLLM's: the engine's processes are gone, no request can succeed
+
+
+class EngineDeadError(Exception):
+    """An engine that died, found by nestling in what the engine returned (an answer whose error is vLLM's
+    EngineDeadError): raised so the run stops and keeps what finished, instead of failing every request
+    left as if each were at fault. `describe` words it like vLLM's own."""
+
+
+def engine_died(detail: str) -> bool:
+    """An engine error's text says the engine itself is gone (not this one request)."""
+    return detail.startswith(tuple(f"{n}:" for n in ENGINE_DEAD))
 
 
 def _children(pid: int) -> list[int]:

@@ -26,6 +26,7 @@ from pathlib import Path
 from nestling.config import to_dict
 from nestling import outdir
 from nestling.errors import NestlingError
+from nestling.faults import EngineDeadError, engine_died
 from nestling.inputs import refuse_remote
 from nestling.manifest import MANIFEST, atomic_write_json, hash_file, hash_json, write_manifest
 from nestling.progress import Progress, log
@@ -136,6 +137,8 @@ class Turns:
         nxt = []
         for key, out in done:
             c = self.convs[key]
+            if out.error and engine_died(out.detail):  # not this conversation's fault: stop, keep what finished
+                raise EngineDeadError(out.detail)
             if out.error:
                 c.failed = (out.error, f"assistant turn {c.turn}: {out.detail}")
                 self.finish(c)
