@@ -94,9 +94,11 @@ def size(out: Path) -> str:
     return format_bytes(sum(f.stat().st_size for f in out.glob("*/shard-*.safetensors")))
 
 
-def test_regenerate_sigterm_then_resume(tiny_target, sharegpt_path, tmp_path):
+def test_regenerate_sigterm_then_a_dead_worker_then_resume(tiny_target, sharegpt_path, tmp_path):
     """SIGTERM to nestling only, while vLLM generates in its own processes: the engine is shut down with
-    nestling, the answers of the committed chunks and the journal are kept, the rerun answers the rest."""
+    nestling. Then a worker killed: the run stops naming it, instead of failing every conversation left
+    (before, those were written to failed.jsonl and the run 'completed'). Each time the committed chunks
+    and the journal are kept; the rerun answers the rest."""
     target = tiny_target("llama")
     out = tmp_path / "regen"
     args = ["regenerate", sharegpt_path, "--target", target, "--out", out, "--engine", "vllm"]
@@ -116,10 +118,27 @@ def test_regenerate_sigterm_then_resume(tiny_target, sharegpt_path, tmp_path):
     finally:
         child.kill()
     before = (out / "messages.jsonl").read_bytes() if (out / "messages.jsonl").exists() else b""
+
+    child = Child(args, env=ENV, stop_at=r"^\[regenerate\] [1-9]\d*/")
+    try:
+        pid: list[int] = []
+        t0 = stopped_then(child, lambda: (pid.append(vllm_worker(child)), os.kill(pid[0], signal.SIGKILL)))
+        assert child.finish(120) == 1, child.text[-3000:]
+        assert time.monotonic() - t0 < 60
+        last = child.lines[-1]
+        assert last.startswith(
+            f"nestling regenerate: error: the vLLM engine stopped: its process VLLM::Worker (pid {pid[0]}) died"
+        ), child.text[-3000:]
+        assert "answered conversation(s) in" in last and last.endswith("run the same command again"), last
+        assert strays(child) == [] and temp_files(out) == []
+        assert not (out / "failed.jsonl").exists() or (out / "failed.jsonl").read_bytes() == b""
+    finally:
+        child.kill()
+
     child = Child(args)
     assert child.finish(600) == 0, child.text[-3000:]
     after = (out / "messages.jsonl").read_bytes()
-    assert after.startswith(before) and after.count(b"\n") + (out / "failed.jsonl").read_bytes().count(b"\n") == 8
+    assert after.startswith(before) and after.count(b"\n") == 8 and "8 kept, 0 failed" in child.text
 
 
 @pytest.fixture(scope="module")
