@@ -161,3 +161,34 @@ def test_a_lock_held_by_a_process_that_outlived_its_parent_names_it(target, chat
     rc, err = cli(capsys, "data", chat, "--target", target, "--out", out, "workers=1")
     assert rc == 0, err
     assert f"took over the lock of a process that ended without releasing it (pid {parent.pid} on" in err
+
+
+HOLDER = """
+import sys, time
+sys.path.insert(0, {src!r})
+from pathlib import Path
+from nestling import outdir
+with outdir.lock(Path({folder!r}), "x", "y"):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_folder_being_claimed_is_refused_naming_its_holder(target, chat, tmp_path, capsys):
+    """The moment between a claim's lock and its marker (the lock file and the marker's temporary file
+    are all the folder holds): a second stage started then is told who holds the folder, not that the
+    folder is foreign."""
+    out = tmp_path / "data"
+    out.mkdir()
+    src = str(Path(outdir.__file__).resolve().parents[1])
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER.format(src=src, folder=str(out))], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        (out / f".{outdir.MARKER}.abc123.tmp").write_text("{")  # atomic_write_json's name for it
+        msg = fails_cleanly(capsys, "data", chat, "--target", target, "--out", out, "workers=1")
+        assert f"another `nestling data` is using {out} (pid {holder.pid} on" in msg, msg
+    finally:
+        holder.kill()
+        holder.wait()

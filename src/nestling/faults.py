@@ -100,6 +100,12 @@ class Roster:
                 pass
             time.sleep(self.interval)
 
+    def forget(self) -> None:
+        with self._lock:
+            self.seen.clear()
+            self.alive_at.clear()
+            self.gone_at.clear()
+
     def gone(self, within: float = 30.0) -> list[tuple[int, str]]:
         """(pid, title) of descendants that ended in the last `within` seconds, the first to end first (a
         helper process that ended long before, such as a probe at start-up, is not among them)."""
@@ -162,6 +168,8 @@ def watch() -> None:
     _before.update(descendants())
     if not _roster:
         _roster.append(Roster())
+    else:  # a program calling the CLI again in its process: only what this command starts counts
+        _roster[0].forget()
 
 
 def describe(e: BaseException) -> str | None:
@@ -169,7 +177,7 @@ def describe(e: BaseException) -> str | None:
     names = {c.__name__ for c in type(e).__mro__}
     if not names & set(ENGINE_DEAD):
         return None
-    gone = _roster[0].gone() if _roster else []
+    gone = [(p, n) for p, n in _roster[0].gone() if p not in _before] if _roster else []
     engine = [(p, n) for p, n in gone if n.startswith("VLLM::")] or gone  # vLLM titles its processes
     if engine:
         first, rest = engine[0], engine[1:]

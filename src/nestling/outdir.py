@@ -130,7 +130,8 @@ def check_ours(out: Path, stage: str, flag: str = "--out", fix: str | None = Non
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise NestlingError(f"{flag} {out} exists and is not a folder; give a folder path")
-    if not out.exists() or not any(out.iterdir()):
+    # empty, or only what a claim in progress writes first (another process is about to hold the lock)
+    if not out.exists() or all(_claiming(p.name) for p in out.iterdir()):
         return
     found = owner(out)
     if found == stage:
@@ -171,6 +172,11 @@ def check_links(folder: Path, flag: str = "--out") -> None:
 
 
 # ---- claiming, marking, locking ------------------------------------------------------------------
+
+
+def _claiming(name: str) -> bool:
+    """The names `claim` writes before the marker is in place: the lock, the marker's temporary file."""
+    return name == LOCK or fnmatch.fnmatch(name, f".{MARKER}.*.tmp")
 
 
 def mark(out: Path, stage: str) -> None:
@@ -301,6 +307,7 @@ def claim(out: str | Path, stage: str, inputs: Inputs = ()) -> Iterator[Path]:
     out.mkdir(parents=True, exist_ok=True)
     try:
         with lock(out, f"`nestling {stage}`", "wait for it to finish, or write to another --out folder"):
+            check_ours(out, stage)  # again, holding the lock: the folder is this stage's, whoever marked it
             mark(out, stage)
             try:
                 yield out
