@@ -171,7 +171,6 @@ def test_eval_sigterm_leaves_no_engine_behind(tiny_target, draft, tmp_path):
         child.kill()
 
 
-@pytest.mark.skip(reason="needs patch: evaluate/vllm_engine.py reports a dead engine as 'is vllm installed?' + its log")
 def test_eval_a_dead_worker_is_named(tiny_target, draft, tmp_path):
     target = tiny_target("llama")
     out = tmp_path / "eval"

