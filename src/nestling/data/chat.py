@@ -89,7 +89,10 @@ def chat_format(tokenizer, template: str | None = None) -> ChatFormat:
     if isinstance(template, dict):  # several named templates: the default one renders chats
         template = template.get("default")
     if not template:
-        raise NestlingError("the target's tokenizer has no chat template; give one with --chat-template FILE")
+        raise NestlingError(
+            "the target's tokenizer has no chat template; give one with --chat-template FILE, or use "
+            "mode=text (a base model: plain text, every token supervised; docs/data.md)"
+        )
     special = sorted(
         {str(t.content) for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True
     )

@@ -17,6 +17,9 @@ Tokenize chat data with the target's own chat template and mark the assistant to
 
 INPUT: ShareGPT JSON (a list) or JSONL ({"conversations": [{"from", "value"}]}), OpenAI-style
 JSONL ({"messages": [{"role", "content"}]}), or parquet with a `conversations` or `messages` column.
+A target without a chat template (a base model) gets the text mode (mode=auto; mode=text forces it):
+records {"text": ...} (chat records are flattened to their messages' text), every token supervised,
+documents packed into rows of max_length.
 Output: DIR/{train,heldout}-NNNNN.parquet (input_ids, loss_mask, sample_id, source_index) and
 DIR/manifest.json with counts by reason. Settings: --config FILE (YAML) and key=value overrides
 (e.g. role_map.narrator=assistant, shard_samples=1000). See docs/data.md.

@@ -255,11 +255,11 @@ def _read_parquet(path: Path, limit: int | None, report: InputReport) -> list[Ra
     except Exception as e:  # pyarrow raises several types for a broken file
         raise NestlingError(f"{path} is not a readable parquet file: {e}") from None
     names = pf.schema_arrow.names
-    column = next((c for c in CHAT_COLUMNS if c in names), None)
+    column = next((c for c in (*CHAT_COLUMNS, "text") if c in names), None)
     if column is None:
         raise NestlingError(
             f"{path} has columns {names}; a chat parquet needs a 'conversations' column (ShareGPT: list of "
-            f"{{from, value}}) or a 'messages' column (list of {{role, content}})"
+            f"{{from, value}}) or a 'messages' column (list of {{role, content}}), a text parquet a 'text' column"
         )
     keep = [c for c in (column, "id") if c in names]
     table = pf.read(columns=keep)

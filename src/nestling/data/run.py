@@ -27,6 +27,7 @@ from nestling.data.dataset import SPLITS, split_files
 from nestling.data.readers import check_input, read_inputs
 from nestling.data.settings import DataSettings
 from nestling.data.shards import Shards
+from nestling.data.text import is_text
 from nestling import outdir
 from nestling.errors import NestlingError
 from nestling.inputs import refuse_remote
@@ -75,7 +76,12 @@ def _prepare_claimed(
     t0 = time.monotonic()
     workers = settings.workers or os.cpu_count() or 1
     # while transformers loads; not with weights, which change the records it would tokenize
-    early = None if settings.weights else headstart.start(inputs, target_dir, template, settings, workers, out)
+    # (the head start guesses a chat format: not in text mode)
+    early = (
+        None
+        if settings.weights or settings.mode == "text"
+        else headstart.start(inputs, target_dir, template, settings, workers, out)
+    )
     try:
         return _prepare(inputs, target_dir, template, out, settings, workers, t0, early)
     finally:
@@ -96,7 +102,7 @@ def _prepare(
 ) -> dict:
     """The stage's outline, once `out` is claimed: format, a finished result (then nothing to do), the
     records, tokenizing into shards, the manifest last."""
-    fmt, tok_fp, verified = _chat_format(target_dir, template, early)
+    fmt, tok_fp, verified = _chat_format(target_dir, template, early, settings.mode)
     input_fps = [hash_file(p) for p in inputs]
     fingerprint = fingerprint_of(tok_fp, fmt.template, settings, input_fps)
     done = _finished_result(out, fingerprint)
@@ -107,6 +113,11 @@ def _prepare(
     log(
         f"[data] read {len(records)} records from {len(inputs)} file(s); tokenizer and records ready after {time.monotonic() - t0:.1f}s; "
         f"loss mask by {fmt.mask_method}"
+        + (
+            "; documents packed into rows of max_length (text mode: the target has no chat template)"
+            if is_text(fmt)
+            else ""
+        )
         + ("; tokenizer read from the target's files (verified earlier, cached)" if verified is not None else "")
     )
     _clear(out)  # our own files only: `out` is a data folder (claimed in prepare_data)
@@ -141,6 +152,7 @@ def _prepare(
         tokenizer_fingerprint_version=TOKENIZER_FINGERPRINT_VERSION,
         fingerprint=fingerprint,
         mask_method=fmt.mask_method,
+        mode="text" if is_text(fmt) else "chat",
         counts=shards.manifest_counts(len(records)),
         examples=shards.examples,
         splits=shards.stats,
@@ -152,31 +164,35 @@ def _prepare(
 
 
 def _chat_format(
-    target_dir: Path, template: str | None, early: headstart.HeadStart | None
+    target_dir: Path, template: str | None, early: headstart.HeadStart | None, mode: str = "auto"
 ) -> tuple[Any, str, str | None]:
-    """(chat format, tokenizer fingerprint, remembered fingerprint or None): the head start's own format
-    when an earlier run verified it equals AutoTokenizer's (no transformers import), else AutoTokenizer's."""
+    """(format, tokenizer fingerprint, remembered fingerprint or None): the head start's own format
+    when an earlier run verified it equals AutoTokenizer's (no transformers import), else AutoTokenizer's
+    (a chat format, or the text mode's: `text.data_format`)."""
     verified = early.recall() if early is not None else None
     if verified is not None:
         return early.guess, verified, verified  # type: ignore[union-attr]
-    fmt, tok_fp = _load_format(target_dir, template)
+    fmt, tok_fp = _load_format(target_dir, template, mode)
     return fmt, tok_fp, None
 
 
-def _load_format(target_dir: Path, template: str | None) -> tuple[Any, str]:
-    """AutoTokenizer's chat format and tokenizer fingerprint (imports transformers, hence torch)."""
-    from nestling.data.chat import chat_format
+def _load_format(target_dir: Path, template: str | None, mode: str = "auto") -> tuple[Any, str]:
+    """AutoTokenizer's format and tokenizer fingerprint (imports transformers, hence torch)."""
+    from nestling.data.text import data_format
     from nestling.targets.load import load_tokenizer, tokenizer_fingerprint
 
     tokenizer = load_tokenizer(target_dir)
-    fmt = chat_format(tokenizer, template)
-    return fmt, tokenizer_fingerprint(tokenizer, fmt.template)
+    fmt = data_format(tokenizer, template, mode)
+    # text mode: the tokenizer as later stages load it (its own template, if any, unused)
+    return fmt, tokenizer_fingerprint(tokenizer, None if is_text(fmt) else fmt.template)
 
 
 def fingerprint_of(tokenizer_fp: str, template: str, settings: DataSettings, input_fps: list[str]) -> str:
     """What the result depends on: tokenizer, template, inputs and settings, less those that do not
     change the samples (workers, shard size)."""
     relevant = {k: v for k, v in to_dict(settings).items() if k not in ("workers", "shard_samples")}
+    if relevant.get("mode") == "auto":  # added later: auto's choice follows from the tokenizer and template hashed here
+        del relevant["mode"]
     return hash_json(
         {
             "tokenizer": tokenizer_fp,
@@ -224,6 +240,9 @@ def _read_records(
     """(records, per-file reports, the head start's results or None): the head start already read the
     inputs; its results count only if its format is `fmt` (else its workers are stopped)."""
     if early is not None:
+        if is_text(fmt):  # the head start's workers render chats: AutoTokenizer has no template
+            early.stop()
+            return early.records, early.reports, None
         return early.records, early.reports, early.take(fmt, tok_fp)
     records, reports = read_inputs(inputs, settings.limit)
     if settings.weights:
@@ -266,7 +285,7 @@ def _tokenize(
     ranges = work.spans(len(records))
     workers = max(1, min(workers, len(ranges)))
     work.share(fmt, settings, records)
-    shards = Shards(out, settings)
+    shards = Shards(out, settings, pack=is_text(fmt))
     # With the head start's results, rates count from when its workers started.
     started = early.started if results is not None else time.monotonic()  # type: ignore[union-attr]
     progress = Progress("data", total=len(records), unit="conv", started=started)
@@ -298,13 +317,13 @@ def _tokenize(
 CUT_HINT = 0.10  # share of the assistant tokens past max_length above which the log suggests a longer one
 
 
-def cut_hint(cut: int, kept: int, max_length: int) -> str | None:
+def cut_hint(cut: int, kept: int, max_length: int, what: str = "assistant tokens") -> str | None:
     """The log line for a run that leaves more than CUT_HINT of its assistant tokens past max_length, else None."""
     share = cut / max(cut + kept, 1)
     if share <= CUT_HINT:
         return None
     return (
-        f"[data] {share:.0%} of the assistant tokens ({cut:,}) lie past max_length={max_length} and are not trained "
+        f"[data] {share:.0%} of the {what} ({cut:,}) lie past max_length={max_length} and are not trained "
         "on. A longer max_length keeps them, where the training device's memory allows the longest rows "
         "(measured on SmolLM2 at equal conversations: rows up to 3,072 tokens instead of 1,024 kept 2.4x the "
         "tokens and gave +0.09 to +0.12 tokens per target forward in vLLM; docs/train.md)"
@@ -318,12 +337,14 @@ def _log_summary(shards: Shards, read: int, settings: DataSettings, elapsed: flo
     dropped = sum(counts.values())
     kept = sum(stats[s]["supervised_tokens"] for s in SPLITS)
     log(
-        f"[data] kept {read - dropped}/{read} conversations ({dropped} dropped"
+        f"[data] kept {read - dropped}/{read} {'documents' if shards.pack else 'conversations'} ({dropped} dropped"
         + (": " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) if counts else "")
         + ")"
         + (
             f"; {shards.rows} rows, one per assistant turn ({sum(shards.rows_dropped.values())} turns past max_length left out)"
-            if settings.rows == "turn"
+            if settings.rows == "turn" and not shards.pack
+            else f"; {shards.rows} packed rows"
+            if shards.pack
             else ""
         )
         + f"; {stats['train']['tokens']:,} train tokens ({stats['train']['supervised_tokens']:,} supervised), "
@@ -334,7 +355,7 @@ def _log_summary(shards: Shards, read: int, settings: DataSettings, elapsed: flo
 
         for line in share_lines(shards.by_source):
             log(line)
-    hint = cut_hint(shards.supervised_cut, kept, settings.max_length)
+    hint = cut_hint(shards.supervised_cut, kept, settings.max_length, "tokens" if shards.pack else "assistant tokens")
     if hint:
         log(hint)
 

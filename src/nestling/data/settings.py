@@ -10,6 +10,10 @@ from typing import Literal
 class DataSettings:
     """How chat records become tokenized, loss-masked samples. See docs/data.md."""
 
+    # chat: render with the chat template, supervise the assistant turns; text: plain documents, every
+    # token supervised, packed into rows of max_length (base models; text.py); auto: text when the
+    # target's tokenizer has no chat template (and none is given), else chat
+    mode: Literal["auto", "chat", "text"] = "auto"
     max_length: int = 2048  # tokens per sample; longer samples are truncated or dropped (`overflow`)
     overflow: Literal["truncate", "drop"] = "truncate"
     last_turn_only: bool = False  # supervise only the last assistant turn of each conversation
@@ -33,6 +37,8 @@ class DataSettings:
     def __post_init__(self) -> None:
         from nestling.errors import NestlingError
 
+        if self.mode not in ("auto", "chat", "text"):
+            raise NestlingError(f"mode must be auto, chat or text, got {self.mode!r}")
         if self.rows not in ("conversation", "turn"):
             raise NestlingError(f"rows must be conversation or turn, got {self.rows!r}")
         if self.max_length < 2:

@@ -49,6 +49,9 @@ class Shards:
     stats: dict[str, dict[str, Any]] = field(default_factory=_empty_stats)  # the manifest's `splits`
     # kept conversations and tokens per input (both splits), in input order: the manifest's `sources`
     by_source: dict[str, dict[str, int]] = field(default_factory=dict)
+    # text mode: each outcome's row is one document, laid end to end with others of its split (text.Packer)
+    pack: bool = False
+    packers: dict[str, Any] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -57,7 +60,7 @@ class Shards:
 
     def add(self, outcomes: list[Outcome]) -> int:
         """Count and buffer one chunk of outcomes (writing every shard that fills); returns the tokens kept."""
-        settings, buffers = self.settings, self.buffers
+        settings = self.settings
         tokens = 0
         for o in outcomes:
             self.supervised_cut += o.supervised_cut
@@ -78,18 +81,36 @@ class Shards:
             split = "heldout" if heldout_of(o.group or o.sample_id, settings.seed, settings.held_out) else "train"
             st = self.stats[split]
             for r in o.rows:
-                buffers[split].append(Sample(r.sample_id, o.source_index, r.input_ids, r.loss_mask))  # type: ignore[arg-type]
-                st["samples"] += 1
                 st["tokens"] += len(r.input_ids)
                 st["supervised_tokens"] += int(r.loss_mask.sum())
                 tokens += len(r.input_ids)
-                if len(buffers[split]) >= settings.shard_samples:
-                    self._flush(split)
+                if self.pack:
+                    for row in self._packer(split).add(r, o.source_index):
+                        self._buffer(split, *row)
+                else:
+                    self._buffer(split, r.sample_id, o.source_index, r.input_ids, r.loss_mask)
         return tokens
 
+    def _packer(self, split: str):
+        if split not in self.packers:
+            from nestling.data.text import Packer
+
+            self.packers[split] = Packer(self.settings.max_length)
+        return self.packers[split]
+
+    def _buffer(self, split: str, sample_id: str, source_index: int, ids, mask) -> None:
+        """One row into its split's buffer (a shard is written when the buffer fills)."""
+        self.buffers[split].append(Sample(sample_id, source_index, ids, mask))
+        self.stats[split]["samples"] += 1
+        if len(self.buffers[split]) >= self.settings.shard_samples:
+            self._flush(split)
+
     def close(self) -> None:
-        """Write what is still buffered: the last, partly filled shard of each split."""
+        """Write what is still buffered: the open packed row and the last, partly filled shard of each split."""
         for split in SPLITS:
+            if self.pack:
+                for row in self._packer(split).flush():
+                    self._buffer(split, *row)
             self._flush(split)
 
     def manifest_counts(self, read: int) -> dict:

@@ -51,7 +51,7 @@ def split_group(sample_id: str, data: dict | None) -> str:
     conversation it answers (`source_index`); every answer to that conversation (greedy, the n samples,
     the `sampled` pass's file) must land in one split, or a held-out prompt trains the draft through
     its twin and inflates held-out acceptance. Any other record is its own group."""
-    if isinstance(data, dict) and isinstance(data.get("source_index"), int) and "messages" in data:
+    if isinstance(data, dict) and isinstance(data.get("source_index"), int) and ("messages" in data or "text" in data):
         return f"regenerated:{data['source_index']}"
     return sample_id
 
@@ -74,9 +74,9 @@ def _init_worker(target_dir: str, template: str | None, settings: DataSettings, 
     if "fmt" not in STATE:
         from transformers import AutoTokenizer
 
-        from nestling.data.chat import chat_format
+        from nestling.data.text import data_format
 
-        STATE["fmt"] = chat_format(AutoTokenizer.from_pretrained(target_dir), template)
+        STATE["fmt"] = data_format(AutoTokenizer.from_pretrained(target_dir), template, settings.mode)
     STATE["settings"] = settings
     if records is not None:
         STATE["records"] = records
@@ -87,8 +87,12 @@ def process(span: tuple[int, int]) -> list[Outcome]:
     from nestling.data.chat import encode_conversations
     from nestling.data.normalize import normalize_record
 
+    from nestling.data.text import is_text
+
     settings: DataSettings = STATE["settings"]
     records: list[tuple[str, RawRecord]] = STATE["records"][span[0] : span[1]]
+    if is_text(STATE["fmt"]):
+        return process_texts(records, STATE["fmt"], settings)
     outcomes: list[Outcome] = []
     todo: list[tuple[Outcome, list[dict]]] = []
     for sid, rec in records:
@@ -113,6 +117,42 @@ def process(span: tuple[int, int]) -> list[Outcome]:
                 o.drop, o.detail = enc.drop, enc.detail
                 continue
             _add_rows(o, enc, settings)
+    for o in outcomes:
+        o.altered = sorted(set(o.altered))
+    return outcomes
+
+
+def process_texts(records: list[tuple[str, RawRecord]], fmt, settings: DataSettings) -> list[Outcome]:
+    """The text mode (text.py): each record one document, every token supervised, length-limited;
+    the shards pack the documents into rows."""
+    from nestling.data.text import encode_texts, record_text, special_token_in
+
+    outcomes: list[Outcome] = []
+    todo: list[tuple[Outcome, str]] = []
+    for sid, rec in records:
+        o = Outcome(sid, rec.index, group=split_group(sid, rec.data))
+        outcomes.append(o)
+        if rec.data is None:
+            o.drop, o.detail = error_reason(rec), rec.error or ""
+            continue
+        doc = record_text(rec.data, settings.role_map, settings.system_prompt)
+        o.altered = list(doc.altered)
+        tok = special_token_in(fmt, doc.text) if doc.text is not None else None
+        if doc.text is None:
+            o.drop, o.detail = doc.drop, doc.detail
+        elif tok is not None:
+            o.drop, o.detail = "special_token_in_content", f"the text contains the control token {tok!r} as text"
+        else:
+            todo.append((o, doc.text))
+    for (o, _), ids in zip(todo, encode_texts(fmt, [t for _, t in todo])):
+        if len(ids) > settings.max_length:
+            if settings.overflow == "drop":
+                o.drop, o.detail = "too_long", f"{len(ids)} tokens > max_length {settings.max_length}"
+                o.supervised_cut = len(ids)
+                continue
+            o.supervised_cut, ids = len(ids) - settings.max_length, ids[: settings.max_length]
+            o.altered.append("truncated_to_max_length")
+        o.rows.append(Row(o.sample_id, np.fromiter(ids, dtype=np.int32, count=len(ids)), np.ones(len(ids), np.int8)))
     for o in outcomes:
         o.altered = sorted(set(o.altered))
     return outcomes

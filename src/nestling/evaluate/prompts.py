@@ -1,5 +1,8 @@
 """Evaluation prompts: JSONL (`messages` or `prompt`) or a data-stage folder's held-out split,
-rendered to token ids with the target's own chat template (one rendering for both engines)."""
+rendered to token ids with the target's own chat template (one rendering for both engines). A target
+without a chat template (a base model) is prompted with plain text: `prompt` or `text` as it is, a
+chat record's messages joined as the data stage's text mode joins them, and a text-mode held-out row's
+first document cut to its first half (`_text_prompt`)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,19 @@ def _last_user_turn(input_ids: list[int], loss_mask: list[int]) -> list[int]:
     return list(input_ids[:start])
 
 
+def _text_mode(data_dir: Path) -> bool:
+    """Whether a data-stage folder holds text-mode rows (documents packed, every token supervised)."""
+    from nestling.manifest import read_manifest
+
+    return read_manifest(data_dir, "data").get("mode") == "text"
+
+
+def _text_prompt(input_ids: list[int], eos: int | None) -> list[int]:
+    """A text-mode row's prompt: its first document (up to its EOS) cut to its first half, at least one token."""
+    end = input_ids.index(eos) if eos is not None and eos in input_ids else len(input_ids)
+    return list(input_ids[: max(1, end // 2)])
+
+
 def load_prompts(source: str | Path, tokenizer, limit: int | None = None) -> list[list[int]]:
     """Token ids of each prompt, ending with the generation prompt of the chat template."""
     src = Path(source)
@@ -26,10 +42,16 @@ def load_prompts(source: str | Path, tokenizer, limit: int | None = None) -> lis
         from nestling.data.dataset import load_samples
 
         samples = load_samples(src, "heldout")
-        prompts = [p for p in (_last_user_turn(list(s.input_ids), list(s.loss_mask)) for s in samples) if p]
+        if _text_mode(src):
+            prompts = [_text_prompt(list(s.input_ids), tokenizer.eos_token_id) for s in samples]
+        else:
+            prompts = [p for p in (_last_user_turn(list(s.input_ids), list(s.loss_mask)) for s in samples) if p]
     else:
         from nestling.inputs import json_loads, read_text
 
+        from nestling.data.text import FLATTEN_SEPARATOR, has_chat_template
+
+        base = not has_chat_template(tokenizer)
         prompts = []
         text = read_text(src, "prompts file")
         for n, line in enumerate(text.splitlines(), 1):
@@ -53,10 +75,19 @@ def load_prompts(source: str | Path, tokenizer, limit: int | None = None) -> lis
                     raise NestlingError(f"{src}:{n}: 'messages' has no user turn")
             elif isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and rec["prompt"].strip():
                 msgs = [{"role": "user", "content": rec["prompt"]}]
+            elif isinstance(rec, dict) and isinstance(rec.get("text"), str) and rec["text"].strip() and base:
+                msgs = [{"role": "user", "content": rec["text"]}]
             else:
                 raise NestlingError(
                     f"{src}:{n}: expected an object with a non-empty 'messages' list or 'prompt' string"
+                    + (" (or 'text')" if base else "")
                 )
+            if base:  # no chat template: the text as a base model reads it (special tokens such as BOS added)
+                text = FLATTEN_SEPARATOR.join(
+                    str(m.get("content") or "") for m in msgs if str(m.get("content") or "").strip()
+                )
+                prompts.append(list(tokenizer(text)["input_ids"]))
+                continue
             ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)
             prompts.append(list(ids["input_ids"]))
     if not prompts:
