@@ -26,6 +26,11 @@ answers alone at 2,000 conversations, +0.07-0.09 on all of ShareGPT at 45M train
   nestling data DIR/messages.jsonl DIR/sampled/messages.jsonl --target MODEL --out DATA
 (`nestling run` does this by itself when its regenerate: section says sampled: 1).
 
+A target without a chat template (a base model) continues text instead (mode=text, the default
+there): each record's `text` (or a chat record's messages, joined) is cut to its first prefix_tokens
+tokens (64; or prefix_fraction of them) and the target writes on; DIR/text.jsonl holds {"text": ...}
+records for `nestling data` (docs/regenerate.md, "Base models").
+
 Any setting can also come from --config FILE (YAML) or a trailing key=value, e.g.
   nestling regenerate sharegpt.json --target ./SmolLM2 --out regen max_turns=1 vllm.enforce_eager=true
 """

@@ -25,10 +25,12 @@ class Record:
     skip: str | None = None
     detail: str = ""
     altered: list[str] = field(default_factory=list)
+    text: str | None = None  # the text mode's document (`nestling.data.text.record_text`)
 
 
-def read_records(path: Path) -> Iterator[Record]:
-    """Every record of a ShareGPT JSON/JSONL, messages JSONL or parquet file, in file order."""
+def read_records(path: Path, text: bool = False) -> Iterator[Record]:
+    """Every record of a ShareGPT JSON/JSONL, messages JSONL or parquet file, in file order; with
+    `text`, each as the data stage's text mode reads it (a `text` field, or a chat record flattened)."""
     path = Path(path)
     records, _ = read_input(path)
     for raw in records:
@@ -38,6 +40,12 @@ def read_records(path: Path) -> Iterator[Record]:
             continue
         if isinstance(raw.data.get("id"), (str, int)):
             rid = str(raw.data["id"])
+        if text:
+            from nestling.data.text import record_text
+
+            doc = record_text(raw.data)
+            yield Record(raw.index, rid, skip=doc.drop, detail=doc.detail, altered=list(doc.altered), text=doc.text)
+            continue
         norm = normalize_record(raw.data)
         yield Record(
             raw.index, rid, messages=norm.messages, skip=norm.drop, detail=norm.detail, altered=list(norm.altered)

@@ -159,7 +159,10 @@ class Turns:
 
 
 def planned_turns(records: list[Record], s: RegenerateSettings) -> int:
-    """The assistant turns a chunk will generate if none fails (what progress counts against)."""
+    """The assistant turns a chunk will generate if none fails (what progress counts against); in text
+    mode, one continuation per record."""
+    if s.mode == "text":
+        return max(1, s.n) * sum(1 for r in records if not r.skip)
     return max(1, s.n) * sum(
         len(assistant_positions(plan(r.messages or [], s.max_turns)[0])) for r in records if not r.skip
     )
@@ -188,7 +191,11 @@ def run_chunk(
     done: dict[Key, dict] | None = None,
 ) -> ChunkResult:
     """Regenerate a chunk; conversations in `done` (a killed run's journal) are taken from it, and
-    each one finished here goes to `journal` as it finishes."""
+    each one finished here goes to `journal` as it finishes. Text mode: text.py."""
+    if s.mode == "text":
+        from nestling.regenerate.text import run_text_chunk
+
+        return run_text_chunk(records, engine, tokenizer, s, max_len, progress, journal, done)
     done = done or {}
     res = ChunkResult([], [], Counter())
     convs: list[Conv] = []
@@ -329,8 +336,7 @@ def _regenerate(input: Path, target_dir: Path, out: Path, s: RegenerateSettings)
     from nestling.targets.load import load_config, load_tokenizer
 
     tokenizer = load_tokenizer(target_dir)
-    if not getattr(tokenizer, "chat_template", None):
-        raise NestlingError(f"target {target_dir} has no chat template; regeneration renders prompts with it")
+    s = _resolve_mode(s, tokenizer, target_dir)
     engine_name = resolve_engine(s)
     if not s.chunk_size:  # recorded resolved: the fingerprint and the manifest name the chunks used
         s = dataclasses.replace(s, chunk_size=resolve_chunk_size(engine_name, s))
@@ -343,9 +349,9 @@ def _regenerate(input: Path, target_dir: Path, out: Path, s: RegenerateSettings)
     fingerprint = hash_json({"inputs": inputs, "settings": output_settings(s)})
     if (out / MANIFEST).exists():
         return _finished(out, fingerprint)
-    state = _open_state(out, fingerprint)
+    state = _open_state(out, fingerprint, output_file(s))
 
-    records = list(read_records(input))
+    records = list(read_records(input, text=s.mode == "text"))
     if s.limit:
         records = records[: s.limit]
     part, parts = shard_of(s.shard)
@@ -358,6 +364,33 @@ def _regenerate(input: Path, target_dir: Path, out: Path, s: RegenerateSettings)
     if todo:
         max_len = _run_chunks(todo, engine_name, target_dir, tokenizer, s, max_len, out, state)
     return _write_manifest(out, s, engine_name, max_len, inputs, fingerprint, state, len(records), start, target_dir)
+
+
+def _resolve_mode(s: RegenerateSettings, tokenizer, target_dir: Path) -> RegenerateSettings:
+    """The settings with `mode` resolved (auto: text when the target has no chat template), checked."""
+    from nestling.data.text import resolve_mode
+
+    mode = resolve_mode(s.mode, tokenizer, None)
+    if mode == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise NestlingError(
+            f"target {target_dir} has no chat template; regeneration renders prompts with it "
+            "(mode=text continues text records instead: docs/regenerate.md)"
+        )
+    if mode == "text" and (s.prefix_tokens < 1 or not 0 <= s.prefix_fraction < 1):
+        raise NestlingError(
+            f"prefix_tokens={s.prefix_tokens}, prefix_fraction={s.prefix_fraction}: prefix_tokens is at least 1, "
+            "prefix_fraction a share in [0, 1) (0 = use prefix_tokens)"
+        )
+    if mode != s.mode:
+        log(f"[regenerate] mode {mode} (auto: the target {'has no' if mode == 'text' else 'has a'} chat template)")
+    return dataclasses.replace(s, mode=mode)
+
+
+def output_file(s: RegenerateSettings) -> str:
+    """The file of kept rows: conversations (chat mode) or text records (text mode), read by the data stage."""
+    from nestling.regenerate.text import TEXT
+
+    return TEXT if s.mode == "text" else MESSAGES
 
 
 def _inputs(input: Path, target_dir: Path, tokenizer) -> dict:
@@ -382,7 +415,7 @@ def _finished(out: Path, fingerprint: str) -> dict:
     )
 
 
-def _open_state(out: Path, fingerprint: str) -> dict:
+def _open_state(out: Path, fingerprint: str, kept: str = MESSAGES) -> dict:
     """The resume state (a fresh one when there is none), the output files cut back to what it committed."""
     state_path = out / STATE
     state = json.loads(state_path.read_text()) if state_path.exists() else None
@@ -394,14 +427,14 @@ def _open_state(out: Path, fingerprint: str) -> dict:
     state = state or {
         "fingerprint": fingerprint,
         "chunks_done": 0,
-        "bytes": {MESSAGES: 0, FAILED: 0},
+        "bytes": {kept: 0, FAILED: 0},
         "counts": {},
         "output_tokens": 0,
         "turns": 0,
         "truncated_turns": 0,
         "seconds": 0.0,
     }
-    for name in (MESSAGES, FAILED):
+    for name in (kept, FAILED):
         _truncate(out / name, state["bytes"][name])
     atomic_write_json(state_path, state)  # at once: its fingerprint vouches for a journal written next
     return state
@@ -428,7 +461,7 @@ def _run_chunks(
     done = read_journal(out / JOURNAL, state["chunks_done"])
     planned = [planned_turns(chunk, s) for chunk in todo]
     planned[0] -= sum(int(e["turns"]) for e in done.values() if e["status"] == "kept")
-    progress = Progress("regenerate", total=sum(planned), unit="turn")
+    progress = Progress("regenerate", total=sum(planned), unit="text" if s.mode == "text" else "turn")
     counts = Counter(state["counts"])
     try:
         written = 0  # conversations of this run written so far
@@ -441,7 +474,7 @@ def _run_chunks(
                 journal.flush()  # an error or Ctrl-C: what finished before it is kept for the rerun
                 raise
             done = {}
-            state["bytes"][MESSAGES] = _append(out / MESSAGES, res.kept)
+            state["bytes"][output_file(s)] = _append(out / output_file(s), res.kept)
             state["bytes"][FAILED] = _append(out / FAILED, res.dropped)
             counts.update(res.counts)
             state["counts"] = dict(counts)
@@ -487,8 +520,8 @@ def _write_manifest(
         fingerprint=fingerprint,
         target=str(target_dir),
         counts=summary,
-        files={"messages": MESSAGES, "failed": FAILED},
-        format="messages_jsonl",
+        files={"messages": output_file(s), "failed": FAILED},  # "messages": the file the data stage reads
+        format="text_jsonl" if s.mode == "text" else "messages_jsonl",
         generation={
             "turns": state["turns"],
             "output_tokens": state["output_tokens"],
@@ -503,6 +536,6 @@ def _write_manifest(
         f"[regenerate] done: {summary['kept']} kept, {sum(summary['failed'].values())} failed "
         f"{summary['failed']}, {sum(summary['skipped'].values())} skipped {summary['skipped']}; "
         f"{state['turns']} turns, {state['output_tokens']} tokens, {cap_share:.1%} of turns hit the "
-        f"{s.max_new_tokens}-token cap -> {out / MESSAGES} ({time.monotonic() - start:.1f} s)"
+        f"{s.max_new_tokens}-token cap -> {out / output_file(s)} ({time.monotonic() - start:.1f} s)"
     )
     return manifest

@@ -18,6 +18,13 @@ class RegenerateSettings:
     """
 
     engine: Engine = "auto"  # auto: openai when urls are given, else vllm when installed, else hf
+    # chat: answer every assistant turn; text: continue a prefix of each text record (base models,
+    # text.py); auto: text when the target's tokenizer has no chat template, else chat
+    mode: Literal["auto", "chat", "text"] = "auto"
+    # text mode: the first prefix_tokens tokens of each record (special tokens such as BOS included) are
+    # kept and the target writes on from there; prefix_fraction > 0 takes that share of its tokens instead
+    prefix_tokens: int = 64
+    prefix_fraction: float = 0.0
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -90,9 +97,11 @@ OUTPUT_FIELDS = (
 # output fields added later, with the value that means "as before": left out of the fingerprint at that
 # value, so a folder written before they existed still resumes and still counts as finished
 ADDED_LATER = {"shard": ""}
+# output fields of the text mode, fingerprinted (mode resolved) only there: chat-mode folders keep theirs
+TEXT_FIELDS = ("mode", "prefix_tokens", "prefix_fraction")
 
 
 def output_settings(s: RegenerateSettings) -> dict:
     """The settings a regeneration's output depends on (what its fingerprint hashes)."""
-    out = {k: getattr(s, k) for k in OUTPUT_FIELDS}
+    out = {k: getattr(s, k) for k in OUTPUT_FIELDS + (TEXT_FIELDS if s.mode == "text" else ())}
     return {k: v for k, v in out.items() if not (k in ADDED_LATER and v == ADDED_LATER[k])}
