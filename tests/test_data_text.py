@@ -161,3 +161,14 @@ def test_text_mode_held_out_rows_give_plain_text_eval_prompts(tmp_path, base_bos
     pf = tmp_path / "prompts.jsonl"
     pf.write_text(json.dumps({"prompt": "Once upon"}) + "\n" + json.dumps({"text": "The owl"}) + "\n")
     assert load_prompts(pf, tok) == [tok("Once upon")["input_ids"], tok("The owl")["input_ids"]]
+
+
+def test_a_gguf_targets_bos_flag_is_read_from_its_header():
+    """transformers' GGUF tokenizer drops `tokenizer.ggml.add_bos_token` (Gemma's and Llama-2's texts then
+    start without BOS); the conversion reads it from the header and passes add_bos_token=True (targets/load.py)."""
+    from nestling.assets import smollm2_gguf, vocab_gguf
+    from nestling.targets.load import gguf_adds_bos
+
+    # as the gguf package's reader reads them (which parses the whole vocabulary first: seconds)
+    for g, adds in ((vocab_gguf("llama-spm"), True), (vocab_gguf("llama-bpe"), False), (smollm2_gguf(), False)):
+        assert gguf_adds_bos(g) is adds, g.name

@@ -47,7 +47,8 @@ def convert_gguf(gguf: Path, out: Path, dtype: str = "bfloat16") -> Path:
         pass
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=getattr(torch, dtype), **kw)
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        bos = {"add_bos_token": True} if gguf_adds_bos(gguf) else {}
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, **bos)
     except Exception as e:  # noqa: BLE001 - the GGUF reader fails on a damaged file with struct.error, ValueError, ...
         raise _damaged_gguf(gguf, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from None
     tmp = Path(str(out) + ".part")
@@ -56,6 +57,52 @@ def convert_gguf(gguf: Path, out: Path, dtype: str = "bfloat16") -> Path:
     tok.save_pretrained(tmp)
     tmp.rename(out) if not out.exists() else None
     return out
+
+
+def gguf_adds_bos(gguf: Path) -> bool:
+    """Whether the GGUF's tokenizer starts every text with BOS (`tokenizer.ggml.add_bos_token`, set for
+    Gemma and Llama-2). transformers' GGUF tokenizer drops the flag, and a target prompted without the BOS
+    it was trained with (a base Gemma above all) is not the model it is; the conversion sets it back."""
+    try:
+        return _gguf_bool(gguf, "tokenizer.ggml.add_bos_token")
+    except Exception:  # noqa: BLE001 - a damaged file: the conversion itself says so
+        return False
+
+
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
+
+
+def _gguf_bool(gguf: Path, key: str) -> bool:
+    """A boolean metadata value of a GGUF file (False when absent), read by walking the header's key-value
+    list: the gguf package's reader parses every vocabulary entry first (30 s for Gemma's 262k)."""
+    import mmap
+    import struct
+
+    with open(gguf, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        n_kv, pos = struct.unpack_from("<Q", m, 16)[0], 24
+
+        def skip(vtype: int, pos: int) -> int:
+            if vtype == 8:  # string: u64 length, bytes
+                return pos + 8 + struct.unpack_from("<Q", m, pos)[0]
+            if vtype == 9:  # array: u32 element type, u64 count, elements
+                etype, count = struct.unpack_from("<IQ", m, pos)
+                pos += 12
+                if etype in _GGUF_SIZES:
+                    return pos + count * _GGUF_SIZES[etype]
+                for _ in range(count):
+                    pos = skip(etype, pos)
+                return pos
+            return pos + _GGUF_SIZES[vtype]
+
+        for _ in range(n_kv):
+            klen = struct.unpack_from("<Q", m, pos)[0]
+            name = m[pos + 8 : pos + 8 + klen].decode()
+            vtype = struct.unpack_from("<I", m, pos + 8 + klen)[0]
+            pos += 12 + klen
+            if name == key:
+                return vtype == 7 and m[pos] != 0
+            pos = skip(vtype, pos)
+    return False
 
 
 def _damaged_gguf(gguf: Path, why: str) -> NestlingError:
@@ -98,7 +145,8 @@ def resolve_target(model: str | Path) -> Path:
     if is_gguf(model):
         if not p.exists():
             raise NestlingError(f"target {model} does not exist")
-        out = cache_dir() / "models" / f"{p.stem}-{hash_files([p])}"
+        # "-bos": converted with the BOS flag kept (gguf_adds_bos); a folder converted without it is redone
+        out = cache_dir() / "models" / f"{p.stem}-{hash_files([p])}{'-bos' if gguf_adds_bos(p) else ''}"
         return build_once(out, lambda tmp: convert_gguf(p, tmp))
     if p.is_dir():
         if not (p / "config.json").exists():
