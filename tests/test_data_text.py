@@ -90,6 +90,12 @@ def test_text_rows_are_the_same_for_any_workers_and_runs(tmp_path, base_dir):
         a, b = load_samples(tmp_path / "a", split), load_samples(tmp_path / "b", split)
         assert [(x.sample_id, list(x.input_ids)) for x in a] == [(y.sample_id, list(y.input_ids)) for y in b]
         assert a  # both splits hold rows: each is packed from its own documents
+    # regenerated continuations of one input text (greedy, sampled: same source_index) share a split
+    from nestling.data.workers import split_group
+
+    assert split_group("a.jsonl:0", {"source_index": 3, "text": "x"}) == split_group(
+        "b.jsonl:7", {"source_index": 3, "text": "y"}
+    )
     # the split is per document, before packing: no document is in both
     train_ids = {sid for r in load_samples(tmp_path / "a", "train") for sid in [r.sample_id.split("+")[0]]}
     held_ids = {sid for r in load_samples(tmp_path / "a", "heldout") for sid in [r.sample_id.split("+")[0]]}
