@@ -11,9 +11,19 @@ import time
 
 import pytest
 
-from nestling.faults import Roster
+from nestling.faults import Roster, _roster
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="the roster reads Linux /proc")
+
+
+@pytest.fixture(autouse=True)
+def alone():
+    """The command line's own roster, where an earlier test in this process started one, is stopped:
+    its pidfds would come and go among this test's descriptors."""
+    for r in _roster:
+        r.close()
+    _roster.clear()
+
 
 # A parent that starts a child and ends the moment the child does; the child ends the moment the
 # parent does (it reads the parent's pipe until end of file). Whichever is killed, the other follows.
@@ -23,6 +33,13 @@ child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
 print(child.pid, flush=True)
 child.wait()
 """
+
+
+@pytest.fixture
+def roster():
+    r = Roster()
+    yield r
+    r.close()
 
 
 def pair() -> tuple[subprocess.Popen, int]:
@@ -40,8 +57,7 @@ def watched(roster: Roster, *pids: int) -> None:
 
 
 @pytest.mark.parametrize("killed", ["child", "parent"])
-def test_the_first_to_die_is_named_first(killed):
-    roster = Roster()
+def test_the_first_to_die_is_named_first(roster, killed):
     parent, child = pair()
     try:
         watched(roster, parent.pid, child)
@@ -61,3 +77,43 @@ def test_the_first_to_die_is_named_first(killed):
             except OSError:
                 pass
         parent.wait(10)
+
+
+def open_fds() -> set[str]:
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found.add(f"{fd}:{os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:  # listdir's own descriptor, closed by now
+            pass
+    return {f for f in found if ":/proc/" not in f}  # the watcher's scan of /proc, open for a moment
+
+
+def test_no_descriptor_outlives_what_it_follows(roster):
+    """A pidfd per followed process, closed when the process ends or the roster forgets it (a command
+    run again in the same process): none is left open, and no other descriptor is touched."""
+    before = open_fds()
+    for end in ("killed", "forgotten"):
+        parent, child = pair()
+        try:
+            watched(roster, parent.pid, child)
+            if end == "killed":
+                os.kill(child, signal.SIGKILL)
+                parent.wait(10)
+                deadline = time.monotonic() + 10
+                while roster._fds:
+                    assert time.monotonic() < deadline, roster._fds
+                    time.sleep(0.01)
+            else:
+                roster.forget()
+                assert roster._fds == {} and roster.gone() == []
+        finally:
+            for p in (child, parent.pid):
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except OSError:
+                    pass
+            parent.wait(10)
+            assert parent.stdout is not None
+            parent.stdout.close()
+        assert open_fds() == before, (end, open_fds() ^ before)

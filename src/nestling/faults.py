@@ -74,6 +74,7 @@ class Roster:
         self._fds: dict[int, int] = {}  # fd -> pid: one pidfd per live descendant, where the kernel has them
         self._poll = select.poll() if hasattr(select, "poll") and hasattr(os, "pidfd_open") else None
         self._lock = threading.Lock()
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="nestling-roster", daemon=True)
         self._thread.start()
 
@@ -94,9 +95,10 @@ class Roster:
         self._poll.register(fd, select.POLLIN)
 
     def _unfollow(self, fd: int) -> None:
+        del self._fds[fd]
         if self._poll is not None:
             self._poll.unregister(fd)
-        os.close(self._fds.pop(fd))
+        os.close(fd)
 
     def _scan(self, follow: bool = True) -> None:
         """Find every descendant: the new ones' titles (and pidfds, from the watcher's thread only), and the
@@ -141,12 +143,18 @@ class Roster:
             return True
 
     def _watch(self) -> None:
-        while True:
+        while not self._closed.is_set():
             try:
                 self._scan()
                 self._wait()
             except Exception:  # noqa: BLE001 - a watcher must never take the command down
                 time.sleep(self.interval)
+
+    def close(self) -> None:
+        """Stop watching and close every pidfd (a program, or a test, done with this roster)."""
+        self._closed.set()
+        self._thread.join()
+        self.forget()
 
     def forget(self) -> None:
         with self._lock:
