@@ -93,7 +93,7 @@ def size(out: Path) -> str:
     return format_bytes(sum(f.stat().st_size for f in out.glob("*/shard-*.safetensors")))
 
 
-def test_regenerate_sigterm_then_a_dead_worker_then_resume(tiny_target, sharegpt_path, tmp_path):
+def test_regenerate_sigterm_then_a_dead_worker_resumed(tiny_target, sharegpt_path, tmp_path):
     """SIGTERM to nestling only, while vLLM generates in its own processes: the engine is shut down with
     nestling. Then a worker killed: the run stops naming it, instead of failing every conversation left
     (before, those were written to failed.jsonl and the run 'completed'). Each time the committed chunks
@@ -131,13 +131,12 @@ def test_regenerate_sigterm_then_a_dead_worker_then_resume(tiny_target, sharegpt
         assert "answered conversation(s) in" in last and last.endswith("run the same command again"), last
         assert strays(child) == [] and temp_files(out) == []
         assert not (out / "failed.jsonl").exists() or (out / "failed.jsonl").read_bytes() == b""
+        # this run resumed the first: what SIGTERM kept is kept again, and more answered before the
+        # worker died, if anything (that a rerun then completes is test_regenerate_vllm's kill -9 test)
+        after = (out / "messages.jsonl").read_bytes()
+        assert after.startswith(before) and before.count(b"\n") <= after.count(b"\n") <= 8
     finally:
         child.kill()
-
-    child = Child(args)
-    assert child.finish(600) == 0, child.text[-3000:]
-    after = (out / "messages.jsonl").read_bytes()
-    assert after.startswith(before) and after.count(b"\n") == 8 and "8 kept, 0 failed" in child.text
 
 
 @pytest.fixture(scope="module")
