@@ -173,5 +173,11 @@ def test_data_estimate_counts_every_answer_file_up_to_the_data_limit(tmp_path, t
     assert count("regenerate.sampled=1", "regenerate.n=3", "regenerate.temperature=0.7") == 28
     c = load_run_config(cfg, STAGES, ["regenerate.sampled=1", "data.limit=5"])
     assert input_conversations(c, 5) == 5 + 5  # the greedy file's 7 and the sampled file's 7, each cut at 5
+    # several inputs: each is regenerated on its own (regenerate.limit per input), each file cut at data.limit
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"o{i}"}]}) + "\n" for i in range(3)))
+    assert count(f"inputs={chats},{other}", "regenerate.sampled=1", "regenerate.limit=5") == 5 + 5 + 3 + 3
+    c = load_run_config(cfg, STAGES, [f"inputs={chats},{other}", "regenerate.sampled=1", "data.limit=4"])
+    assert input_conversations(c, 4) == 4 + 4 + 3 + 3
     c = load_run_config(cfg, STAGES, ["regenerate.sampled=1", "regenerate.n=2", "regenerate.temperature=0.7"])
     assert input_conversations(c, 9) == 9 + 7  # 14 greedy rows cut at 9

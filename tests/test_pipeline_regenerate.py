@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +64,39 @@ def test_sampled_pass_feeds_data_in_the_same_split(tmp_path, tiny_target, shareg
     run(cfg, ["regenerate.sampled=0"], until="data")
     assert not (regen / "sampled").exists()
     assert json.loads((data_dir / "manifest.json").read_text())["counts"]["read"] == len(rows[0])
+
+
+@pytest.mark.slow
+def test_every_input_is_regenerated_and_weighed_by_its_config_name(tmp_path, tiny_target, capsys):
+    """inputs: [a, b] -> regenerate answers both (regenerate/0-a/, regenerate/1-b/, each with its sampled
+    pass), the data stage reads all four files, `data.weights` named as the config names an input weighs
+    what regenerate wrote for it, and the log gives each input's share; a changed setting clears both."""
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for path, n in ((a, 3), (b, 2)):
+        conv = [{"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "Blue, like the sky."}]
+        path.write_text("".join(json.dumps({"id": f"{path.stem}{i}", "conversations": conv}) + "\n" for i in range(n)))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        f"target: {tiny_target('llama')}\ninputs: [{a}, {b}]\nrun_dir: {tmp_path / 'run'}\n"
+        "regenerate: {engine: hf, max_new_tokens: 4, max_turns: 1, dtype: float32, sampled: 1}\n"
+        "data: {max_length: 256, workers: 1, weights: {b.jsonl: 2}}\n"
+    )
+    assert [(o.name, o.action) for o in run(cfg, until="data")] == [("regenerate", "ran"), ("data", "ran")]
+    regen = tmp_path / "run" / "regenerate"
+    files = [regen / d / s / "messages.jsonl" for d in ("0-a", "1-b") for s in ("", "sampled")]
+    rows = [[json.loads(x) for x in f.read_text().splitlines()] for f in files]
+    assert [len(r) for r in rows] == [3, 3, 2, 2]
+    for r in rows:  # the target's own answers, not the input's
+        assert all(m["messages"][-1]["content"] != "Blue, like the sky." for m in r)
+    data = json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())
+    assert [Path(d["path"]) for d in data["inputs"]["data"]] == [f.resolve() for f in files]
+    assert data["counts"]["read"] == 3 + 3 + 2 * 2 + 2 * 2  # b's answers twice each
+    err = capsys.readouterr().err
+    assert "[data] input a (2 regenerated file(s)): 6 conversations" in err
+    assert "[data] input b (2 regenerated file(s)): 8 conversations" in err
+    # a changed setting reruns the stage from a cleared folder: every input's answers are written again
+    outcomes = run(cfg, ["regenerate.max_new_tokens=5"], until="data")
+    assert [(o.name, o.action) for o in outcomes] == [("regenerate", "ran"), ("data", "ran")]
+    assert all(
+        json.loads(f.parent.joinpath("manifest.json").read_text())["settings"]["max_new_tokens"] == 5 for f in files
+    )

@@ -146,7 +146,9 @@ def _regenerate_kept(folder: Path) -> str:
     import json
 
     n = 0
-    for sub in (folder, folder / "sampled"):
+    # a run of several inputs regenerates each in a subfolder of its own (pipeline/stages.py regenerate_dirs)
+    mains = [folder] + sorted(d for d in folder.iterdir() if d.is_dir() and d.name != "sampled")
+    for sub in (x for m in mains for x in (m, m / "sampled")):
         try:
             state = json.loads((sub / "state.json").read_text())
             size = int(state["bytes"]["messages.jsonl"])

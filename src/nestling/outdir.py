@@ -43,9 +43,12 @@ COMMON = (MANIFEST, MARKER, LOCK, "progress.json", f".{MANIFEST}.*.tmp", f".{MAR
 OWNS: dict[str, tuple[str, ...]] = {
     "regenerate": tuple(
         f"{sub}{name}"
-        for sub in ("", "sampled/")  # sampled/: the `sampled` pass (regenerate/settings.py SAMPLED)
+        # sampled/: the `sampled` pass (regenerate/settings.py SAMPLED); */: one input's regeneration in a
+        # run of several inputs (pipeline/stages.py regenerate_dirs), a regenerate folder of its own
+        for sub in ("", "sampled/", "*/", "*/sampled/")
         for name in ("messages.jsonl", "failed.jsonl", "partial.jsonl", "state.json", ".state.json.*.tmp")
         + ((MANIFEST, f".{MANIFEST}.*.tmp") if sub else ())
+        + ((MARKER, LOCK, "progress.json", f".{MARKER}.*.tmp") if sub == "*/" else ())
     ),
     "data": ("train-*.parquet", "heldout-*.parquet", ".train-*.parquet.tmp", ".heldout-*.parquet.tmp"),
     "capture": tuple(

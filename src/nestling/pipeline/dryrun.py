@@ -143,10 +143,13 @@ def input_conversations(config: RunConfig, limit: int | None) -> int | None:
     r = config.settings.get("regenerate")
     if r is None:
         return count_records(config.inputs, limit)
-    n = count_records(config.inputs, _get(r, "limit") or None)
-    if n is None:
+    # each input is regenerated on its own (regenerate's limit per input), and each file it writes is
+    # cut at the data stage's limit
+    per_input = [count_records([p], _get(r, "limit") or None) for p in config.inputs]
+    counts = [n for n in per_input if n is not None]
+    if len(counts) < len(per_input):
         return None
-    return sum(min(k * n, limit) if limit else k * n for k in answer_files(r))
+    return sum(min(k * n, limit) if limit else k * n for n in counts for k in answer_files(r))
 
 
 def full_data_tokens(config: RunConfig, dry: dict[str, Measured], real_run_dir: Path) -> tuple[dict, str]:

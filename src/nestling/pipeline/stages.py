@@ -56,39 +56,108 @@ def _call(spec: str, *args: Any, **kwargs: Any) -> Any:
 # ---- the real stages --------------------------------------------------------------------------
 
 
+def input_label(path: str | Path) -> str:
+    """A short name for an input: `sharegpt`, `maths`, `code` for the built-in ones, else the file's stem
+    (letters, digits, `.`, `_`, `-` kept, at most 40 characters)."""
+    import re
+
+    from nestling.data.builtin import NAMES, expected_path
+
+    p = Path(path)
+    for name in NAMES:
+        try:
+            if expected_path(name).resolve() == p.resolve():
+                return name
+        except OSError:
+            pass
+    return re.sub(r"[^A-Za-z0-9._-]", "_", p.stem)[:40] or "input"
+
+
+def regenerate_dirs(ctx: StageContext) -> list[Path]:
+    """Where regenerate writes each input's answers: the stage folder itself for one input (as
+    `nestling regenerate` does), else one subfolder per input, `K-LABEL`, in input order."""
+    main = ctx.dir("regenerate")
+    if len(ctx.inputs) == 1:
+        return [main]
+    return [main / f"{k}-{input_label(p)}" for k, p in enumerate(ctx.inputs)]
+
+
 def _regenerate(ctx: StageContext) -> Any:
-    if len(ctx.inputs) != 1:
-        raise NestlingError(
-            f"regenerate reads one input file; the config lists {len(ctx.inputs)} "
-            "(merge them into one JSONL, or drop the regenerate: section)"
-        )
-    return _call("nestling.regenerate.run:regenerate", ctx.inputs[0], ctx.target, ctx.out, ctx.settings)
+    """Every input regenerated, each in its own folder (`regenerate_dirs`), one after the other: a rerun
+    skips the inputs already finished and resumes the one in flight."""
+    from nestling.progress import log
+
+    outs = regenerate_dirs(ctx)
+    results = []
+    for k, (src, out) in enumerate(zip(ctx.inputs, outs)):
+        if len(outs) > 1:
+            log(f"[regenerate] input {k + 1}/{len(outs)}: {src} -> {out}")
+        results.append(_call("nestling.regenerate.run:regenerate", src, ctx.target, out, ctx.settings))
+    return results[0] if len(results) == 1 else results
 
 
-def data_inputs(ctx: StageContext) -> list[str]:
-    """The data stage reads the regenerated conversations when regenerate runs (and the `sampled`
-    pass's, when it ran), else the inputs."""
-    if "regenerate" not in ctx.enabled:
-        return list(ctx.inputs)
+def regenerated_files(ctx: StageContext) -> list[list[str]]:
+    """Per input, the files regenerate wrote that the data stage reads: its answers, and the `sampled`
+    pass's when it ran."""
     import json
 
     from nestling.regenerate.settings import SAMPLED
 
-    main = ctx.dir("regenerate")
-    # sampled=0: no such pass (a changed setting clears the stage folder first)
-    folders = [main] + ([main / SAMPLED] if (main / SAMPLED / "manifest.json").exists() else [])
     found = []
-    for out in folders:
-        manifest = json.loads((out / "manifest.json").read_text())
-        messages = out / (manifest.get("files") or {}).get("messages", "messages.jsonl")
-        if not messages.exists():
-            raise NestlingError(f"{out} holds no regenerated conversations ({messages.name} is missing)")
-        found.append(str(messages))
+    for main in regenerate_dirs(ctx):
+        # sampled=0: no such pass (a changed setting clears the stage folder first)
+        folders = [main] + ([main / SAMPLED] if (main / SAMPLED / "manifest.json").exists() else [])
+        files = []
+        for out in folders:
+            manifest = json.loads((out / "manifest.json").read_text())
+            messages = out / (manifest.get("files") or {}).get("messages", "messages.jsonl")
+            if not messages.exists():
+                raise NestlingError(f"{out} holds no regenerated conversations ({messages.name} is missing)")
+            files.append(str(messages))
+        found.append(files)
     return found
 
 
 def _data(ctx: StageContext) -> Any:
-    return _call("nestling.data.run:prepare_data", data_inputs(ctx), ctx.target, ctx.out, ctx.settings)
+    """The data stage reads the inputs, or when regenerate runs what it wrote for every input (in input
+    order), with `data.weights` keyed by the inputs as the config names them moved onto those files."""
+    if "regenerate" not in ctx.enabled:
+        return _call("nestling.data.run:prepare_data", list(ctx.inputs), ctx.target, ctx.out, ctx.settings)
+    per_input = regenerated_files(ctx)
+    settings = ctx.settings
+    if getattr(settings, "weights", None):  # named as the config names the inputs: moved to what they became
+        from nestling.data.mixing import input_weights
+
+        weights = input_weights([Path(p) for p in ctx.inputs], settings.weights)
+        moved = {f: w for files, w in zip(per_input, weights) for f in files if w != 1.0}
+        settings = dataclasses.replace(settings, weights=moved)
+    manifest = _call(
+        "nestling.data.run:prepare_data", [f for fs in per_input for f in fs], ctx.target, ctx.out, settings
+    )
+    if len(per_input) > 1:
+        _log_input_shares(ctx.inputs, per_input, manifest)
+    return manifest
+
+
+def _log_input_shares(inputs: list[str], per_input: list[list[str]], manifest: Any) -> None:
+    """One line per run input: the conversations and tokens the data stage kept of what regenerate wrote
+    for it (the data log names those files, `K-messages.jsonl`, not the inputs)."""
+    from nestling.data.readers import sample_names
+    from nestling.progress import log
+
+    sources = (manifest.get("sources") if isinstance(manifest, dict) else None) or {}
+    names = iter(sample_names([Path(f) for fs in per_input for f in fs]))
+    rows = []
+    for src, files in zip(inputs, per_input):
+        got = [sources.get(next(names), {}) for _ in files]
+        conversations, tokens = sum(g.get("conversations", 0) for g in got), sum(g.get("tokens", 0) for g in got)
+        rows.append((src, len(files), conversations, tokens))
+    total = sum(r[3] for r in rows) or 1
+    for src, n, conv, tok in rows:
+        log(
+            f"[data] input {input_label(src)} ({n} regenerated file(s)): {conv:,} conversations, {tok:,} tokens, "
+            f"{tok / total:.1%} of the tokens"
+        )
 
 
 def _capture(ctx: StageContext) -> Any:
