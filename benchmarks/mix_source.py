@@ -24,7 +24,8 @@ prompts) is among them.
 
 The maths and code builders are nestling's own (`nestling.data.builtin`: the `builtin:maths` and
 `builtin:code` inputs of a run config), which also leave out any request sharing text with the
-evaluation sets. Writes one ShareGPT-style JSONL (regenerate reads one input file): chat, then maths, then code.
+evaluation sets. Writes one ShareGPT-style JSONL: chat, then maths, then code (`nestling run` takes
+them as separate inputs too, as examples/gpu.yaml and gpu_recipe.sh do).
 """
 
 from __future__ import annotations

@@ -249,9 +249,10 @@ def _calls(tmp_path: Path) -> list[str]:
 
 @pytest.mark.parametrize("vllm", [False, True])
 def test_gpu_recipe_builds_the_input_runs_the_recipe_and_measures_its_draft(tmp_path, vllm):
-    """`gpu_recipe.sh --out DIR KEY=VALUE -- FLAGS`: the training input (ShareGPT outside the held-out
-    prompts) once, `nestling run examples/gpu.yaml` with the settings and flags, then the quality
-    benchmark on the exported draft: in vLLM where it is installed, else the reference decoder on the GPU."""
+    """`gpu_recipe.sh --out DIR KEY=VALUE -- FLAGS`: the chat input (ShareGPT outside the held-out
+    prompts) once, `nestling run examples/gpu.yaml` on it in builtin:sharegpt's place beside the built-in
+    maths and code inputs, with the settings and flags, then the quality benchmark on the exported draft
+    on every domain: in vLLM where it is installed, else the reference decoder on the GPU."""
     env = {**os.environ, "PYTHON": str(_fake_python(tmp_path, vllm))}
     cmd = ["bash", str(ROOT / "benchmarks" / "gpu_recipe.sh"), "--out", "o", "--k", "3", "train.steps=10"]
     r = subprocess.run(cmd + ["--", "--until", "export"], cwd=tmp_path, env=env, capture_output=True, text=True)
@@ -259,10 +260,10 @@ def test_gpu_recipe_builds_the_input_runs_the_recipe_and_measures_its_draft(tmp_
     engines = "--engines vllm" if vllm else "--engines reference --no-ngram --device cuda"
     assert _calls(tmp_path) == [
         "benchmarks/mix_source.py --out o/input/sharegpt-train.jsonl --chat 1000000 --maths 0",
-        "-m nestling run examples/gpu.yaml run_dir=o/run inputs=o/input/sharegpt-train.jsonl train.steps=10"
-        " --until export",
-        f"benchmarks/quality.py --budget full --draft o/run/export {engines} --max-prompts 36 --k 3"
-        " --domains chat --out o/quality",
+        "-m nestling run examples/gpu.yaml run_dir=o/run"
+        " inputs=o/input/sharegpt-train.jsonl,builtin:maths,builtin:code train.steps=10 --until export",
+        f"benchmarks/quality.py --budget full --draft o/run/export {engines} --max-prompts 24 --k 3"
+        " --domains chat code maths --out o/quality",
     ]
     (tmp_path / "calls").unlink()  # a rerun reuses the input it built
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
@@ -282,11 +283,13 @@ def test_gpu_recipe_takes_an_input_and_refuses_what_it_does_not_know(tmp_path):
     ):
         r = subprocess.run(script + bad, cwd=tmp_path, env=env, capture_output=True, text=True)
         assert r.returncode == 2 and says in r.stderr and not (tmp_path / "calls").exists()
-    (tmp_path / "mix.jsonl").write_text("{}\n")
-    cmd = script + ["--input", "mix.jsonl", "--domains", "chat code maths", "--max-prompts", "24", "--no-quality"]
+    (tmp_path / "chat.jsonl").write_text("{}\n")
+    cmd = script + ["--input", "chat.jsonl", "--domains", "chat", "--max-prompts", "36", "--no-quality"]
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert _calls(tmp_path) == ["-m nestling run examples/gpu.yaml run_dir=runs/gpu-recipe/run inputs=mix.jsonl"]
+    assert _calls(tmp_path) == [
+        "-m nestling run examples/gpu.yaml run_dir=runs/gpu-recipe/run inputs=chat.jsonl,builtin:maths,builtin:code"
+    ]
 
 
 @pytest.mark.slow
