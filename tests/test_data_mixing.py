@@ -97,3 +97,17 @@ def test_a_run_config_sets_weights_by_builtin_name(tmp_path):
     config = load_run_config(cfg, STAGES)
     assert config.inputs == ["builtin:sharegpt", "builtin:maths", "builtin:code"]
     assert config.settings["data"].weights == {"builtin:maths": 0.5, "builtin:code": 2}
+
+
+def test_regenerated_answers_of_several_inputs_split_by_conversation():
+    """Every answer to one conversation (greedy, samples, the sampled pass) shares a split group; the
+    conversations at one index of two inputs do not (before, record k of every input shared one)."""
+    from nestling.data.workers import split_group
+
+    def row(index: int, rid: str, **extra) -> dict:
+        return {"id": rid, "source_index": index, "messages": [], **extra}
+
+    greedy = split_group("0-messages.jsonl:4", row(4, "sharegpt-abc"))
+    assert split_group("1-messages.jsonl:9", row(4, "sharegpt-abc", sample=1)) == greedy
+    assert split_group("2-messages.jsonl:4", row(4, "maths-4")) != greedy
+    assert split_group("plain.jsonl:4", {"messages": []}) == "plain.jsonl:4"  # not regenerated: its own

@@ -46,7 +46,8 @@ OWNS: dict[str, tuple[str, ...]] = {
         # sampled/: the `sampled` pass (regenerate/settings.py SAMPLED); */: one input's regeneration in a
         # run of several inputs (pipeline/stages.py regenerate_dirs), a regenerate folder of its own
         for sub in ("", "sampled/", "*/", "*/sampled/")
-        for name in ("messages.jsonl", "failed.jsonl", "partial.jsonl", "state.json", ".state.json.*.tmp")
+        # text.jsonl: the text mode's continuations (regenerate/text.py)
+        for name in ("messages.jsonl", "text.jsonl", "failed.jsonl", "partial.jsonl", "state.json", ".state.json.*.tmp")
         + ((MANIFEST, f".{MANIFEST}.*.tmp") if sub else ())
         + ((MARKER, LOCK, "progress.json", f".{MARKER}.*.tmp") if sub == "*/" else ())
     ),

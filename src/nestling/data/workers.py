@@ -50,9 +50,11 @@ def split_group(sample_id: str, data: dict | None) -> str:
     """The key the train/held-out split hashes. A row `nestling regenerate` wrote names the input
     conversation it answers (`source_index`); every answer to that conversation (greedy, the n samples,
     the `sampled` pass's file) must land in one split, or a held-out prompt trains the draft through
-    its twin and inflates held-out acceptance. Any other record is its own group."""
+    its twin and inflates held-out acceptance. The conversation's id (its own, else the input file's name
+    and index) keeps apart the conversations of several inputs that share an index. Any other record is
+    its own group."""
     if isinstance(data, dict) and isinstance(data.get("source_index"), int) and ("messages" in data or "text" in data):
-        return f"regenerated:{data['source_index']}"
+        return f"regenerated:{data['source_index']}:{data.get('id', '')}"
     return sample_id
 
 
