@@ -33,6 +33,14 @@ SRC = str(Path(nestling.__file__).resolve().parents[1])
 PINNED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"}
 
 
+def default_signals() -> None:
+    """In the child before it starts: the stop signals' default actions. A test runner started in the
+    background of a script inherits SIGINT ignored, and nestling keeps an ignored signal ignored (nohup):
+    Ctrl-C would never reach the child."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 class Child:
     """`python -m nestling ARGS` in a new session, its stdout and stderr read line by line."""
 
@@ -50,6 +58,7 @@ class Child:
             text=True,
             env=full,
             start_new_session=True,
+            preexec_fn=default_signals,
         )
         self.pid = self.proc.pid
         self._reader = threading.Thread(target=self._read, daemon=True)
