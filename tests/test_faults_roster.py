@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -42,10 +44,22 @@ def roster():
     r.close()
 
 
-def pair() -> tuple[subprocess.Popen, int]:
+@contextmanager
+def pair() -> Iterator[tuple[subprocess.Popen, int]]:
+    """The parent and its child's pid; both killed and reaped, and the pipe closed, on the way out."""
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
     assert parent.stdout is not None
-    return parent, int(parent.stdout.readline())
+    child = int(parent.stdout.readline())
+    try:
+        yield parent, child
+    finally:
+        for p in (child, parent.pid):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        parent.wait(10)
+        parent.stdout.close()
 
 
 def watched(roster: Roster, *pids: int) -> None:
@@ -58,8 +72,7 @@ def watched(roster: Roster, *pids: int) -> None:
 
 @pytest.mark.parametrize("killed", ["child", "parent"])
 def test_the_first_to_die_is_named_first(roster, killed):
-    parent, child = pair()
-    try:
+    with pair() as (parent, child):
         watched(roster, parent.pid, child)
         first, then = (child, parent.pid) if killed == "child" else (parent.pid, child)
         os.kill(first, signal.SIGKILL)
@@ -70,13 +83,6 @@ def test_the_first_to_die_is_named_first(roster, killed):
             time.sleep(0.01)
         assert [p for p, _ in roster.gone()] == [first, then]
         assert "sys.stdin.read()" in dict(roster.gone())[child]  # the title as last seen alive
-    finally:
-        for p in (child, parent.pid):
-            try:
-                os.kill(p, signal.SIGKILL)
-            except OSError:
-                pass
-        parent.wait(10)
 
 
 def open_fds() -> set[str]:
@@ -94,8 +100,7 @@ def test_no_descriptor_outlives_what_it_follows(roster):
     run again in the same process): none is left open, and no other descriptor is touched."""
     before = open_fds()
     for end in ("killed", "forgotten"):
-        parent, child = pair()
-        try:
+        with pair() as (parent, child):
             watched(roster, parent.pid, child)
             if end == "killed":
                 os.kill(child, signal.SIGKILL)
@@ -107,13 +112,4 @@ def test_no_descriptor_outlives_what_it_follows(roster):
             else:
                 roster.forget()
                 assert roster._fds == {} and roster.gone() == []
-        finally:
-            for p in (child, parent.pid):
-                try:
-                    os.kill(p, signal.SIGKILL)
-                except OSError:
-                    pass
-            parent.wait(10)
-            assert parent.stdout is not None
-            parent.stdout.close()
         assert open_fds() == before, (end, open_fds() ^ before)

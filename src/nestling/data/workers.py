@@ -84,6 +84,14 @@ def _init_worker(target_dir: str, template: str | None, settings: DataSettings, 
         STATE["records"] = records
 
 
+def _outcome(sid: str, rec: RawRecord) -> Outcome:
+    """A record's outcome, its split group set, dropped already where the record could not be read."""
+    o = Outcome(sid, rec.index, group=split_group(sid, rec.data))
+    if rec.data is None:
+        o.drop, o.detail = error_reason(rec), rec.error or ""
+    return o
+
+
 def process(span: tuple[int, int]) -> list[Outcome]:
     """Normalize, render, tokenize and length-limit records [start, end) of the shared record list."""
     from nestling.data.chat import encode_conversations
@@ -98,10 +106,9 @@ def process(span: tuple[int, int]) -> list[Outcome]:
     outcomes: list[Outcome] = []
     todo: list[tuple[Outcome, list[dict]]] = []
     for sid, rec in records:
-        o = Outcome(sid, rec.index, group=split_group(sid, rec.data))
+        o = _outcome(sid, rec)
         outcomes.append(o)
         if rec.data is None:
-            o.drop, o.detail = error_reason(rec), rec.error or ""
             continue
         norm = normalize_record(rec.data, settings.role_map, settings.system_prompt)
         o.altered = list(norm.altered)
@@ -132,10 +139,9 @@ def process_texts(records: list[tuple[str, RawRecord]], fmt, settings: DataSetti
     outcomes: list[Outcome] = []
     todo: list[tuple[Outcome, str]] = []
     for sid, rec in records:
-        o = Outcome(sid, rec.index, group=split_group(sid, rec.data))
+        o = _outcome(sid, rec)
         outcomes.append(o)
         if rec.data is None:
-            o.drop, o.detail = error_reason(rec), rec.error or ""
             continue
         doc = record_text(rec.data, settings.role_map, settings.system_prompt)
         o.altered = list(doc.altered)
