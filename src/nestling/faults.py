@@ -135,12 +135,16 @@ class Roster:
                     self._unfollow(fd)
 
     def _pending(self) -> bool:
+        """Some followed process has ended and the watcher has yet to note it (poll, not select: an engine's
+        process holds many descriptors, and select takes none numbered past 1023)."""
         with self._lock:
             fds = list(self._fds)
-        try:
-            return bool(fds) and bool(select.select(fds, [], [], 0)[0])
-        except (OSError, ValueError):  # closed by the watcher meanwhile: ask again
-            return True
+        if not fds:
+            return False
+        ready = select.poll()
+        for fd in fds:
+            ready.register(fd, select.POLLIN)
+        return any(ev & select.POLLIN for _, ev in ready.poll(0))  # a descriptor closed meanwhile: POLLNVAL
 
     def _watch(self) -> None:
         while not self._closed.is_set():
