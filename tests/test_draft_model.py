@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from nestling.draft.model import NORM_OPTIONS, DraftConfig, Eagle3Draft, KVCache
-from nestling.draft.vocab import build_vocab, count_tokens, draft_ids_to_target, target_to_draft_index
+from nestling.draft.vocab import (
+    AUTO_ROUND,
+    auto_size,
+    build_vocab,
+    count_tokens,
+    draft_ids_to_target,
+    resolve_size,
+    target_to_draft_index,
+)
 
 
 def _cfg(**kw) -> DraftConfig:
@@ -90,6 +98,22 @@ def test_step_with_cache_equals_full_causal_pass(layers):
     first = m.step(ids[:, :4], hid[:, :4], pos[:, :4], cache)
     rest = [m.step(ids[:, t : t + 1], hid[:, t : t + 1], pos[:, t : t + 1], cache) for t in (4, 5)]
     torch.testing.assert_close(torch.cat([first, *rest], 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_the_automatic_vocabulary_is_the_fewest_tokens_covering_the_share():
+    """draft_vocab_size 0: the fewest most frequent tokens covering the share, rounded up to AUTO_ROUND
+    rows, never under the floor, never over the vocabulary; counted here by brute force."""
+    counts = torch.tensor([(i * 7919) % 1000 + 1 for i in range(1000)])  # 1000 ids, shuffled weights
+    ordered, total = sorted(counts.tolist(), reverse=True), int(counts.sum())
+    need = next(n for n in range(1, 1001) if sum(ordered[:n]) >= 0.9 * total)
+    assert need % AUTO_ROUND != 0
+    assert auto_size(counts, 0.9, floor=1) == -(-need // AUTO_ROUND) * AUTO_ROUND
+    assert auto_size(counts, 0.9, floor=800) == 896  # the floor, rounded up
+    assert auto_size(counts, 0.9, floor=5000) == 1000  # capped at the vocabulary
+    peaked = torch.zeros(100_000, dtype=torch.long)
+    peaked[:10] = 1000  # ten tokens hold everything: the floor (32,000) decides
+    assert resolve_size(peaked, 0) == 32000 and resolve_size(peaked, 50) == 50
+    assert resolve_size(peaked, 200_000) == 100_000
 
 
 def test_vocab_topn_and_offsets():

@@ -299,7 +299,7 @@ def test_eval_prompts_with_a_5000_digit_number(tiny, tmp_path):
     assert len(load_prompts(tmp_path / "p.jsonl", load_tokenizer(tiny))) == 1
 
 
-def test_draft_vocab_size_zero_is_refused_when_read(capture, tmp_path, capsys):
-    msg = fails_cleanly(capsys, "train", capture, "--out", tmp_path / "t", *TINY_TRAIN, "draft_vocab_size=0")
-    assert "draft_vocab_size" in msg and "at least 1" in msg
+def test_a_negative_draft_vocab_size_is_refused_when_read(capture, tmp_path, capsys):
+    msg = fails_cleanly(capsys, "train", capture, "--out", tmp_path / "t", *TINY_TRAIN, "draft_vocab_size=-1")
+    assert "draft_vocab_size" in msg and "0 = auto" in msg
     assert not (tmp_path / "t").exists()

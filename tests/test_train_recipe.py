@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -237,6 +238,24 @@ def test_vocab_coverage_is_reported_and_a_small_vocabulary_gets_a_hint(capture, 
     assert "a token outside it is never drafted" in err and "up to 49152, the whole vocabulary" in err
     m = train(capture, tmp_path / "all", TrainSettings(steps=1, eval_batches=0, **{**TINY, "draft_vocab_size": 49152}))
     assert m["vocab_coverage"]["share"] == 1.0 and "never drafted" not in capsys.readouterr().err
+
+
+def test_the_automatic_vocabulary_is_chosen_logged_and_kept_on_resume(capture, tmp_path, capsys):
+    """draft_vocab_size 0 (the default) sizes the vocabulary from the data's coverage (unit rule:
+    test_draft_model); the run says what it chose, and a resumed run rebuilds the same size."""
+    s = TrainSettings(steps=1, eval_batches=0, **{**TINY, "draft_vocab_size": 0})
+    train(capture, tmp_path / "t", s)
+    err = capsys.readouterr().err
+    t2d = load_file(str(tmp_path / "t" / "vocab.safetensors"))["t2d"]
+    assert int(t2d.sum()) == 32000  # the tiny capture's few distinct tokens: the floor decides
+    assert "draft_vocab_size auto: 32000 tokens, the fewest that cover 99% of the training split" in err
+    for name in ("same", "other"):  # a run interrupted after its vocabulary was saved
+        (tmp_path / name).mkdir()
+        for f in ("vocab.safetensors", ".nestling-stage.json"):
+            shutil.copy(tmp_path / "t" / f, tmp_path / name / f)
+    train(capture, tmp_path / "same", s)
+    with pytest.raises(NestlingError, match="the settings ask for draft_vocab_size 100"):
+        train(capture, tmp_path / "other", TrainSettings(steps=1, eval_batches=0, **TINY))
 
 
 def test_full_vocabulary_copy_of_a_frozen_head_draft(capture, tmp_path, monkeypatch):

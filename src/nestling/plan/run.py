@@ -65,11 +65,12 @@ def store_plan(n_ids: int, hidden: int, tokens: int, disk: int | None) -> dict:
 def draft_plan(cfg: dict, layer_ids: list[int], s: PlanSettings, usable: float) -> dict:
     """The draft's trainable parameters and training memory per GPU; DDP when it fits, else FSDP."""
     from nestling.draft.model import DraftConfig
+    from nestling.draft.vocab import AUTO_MIN
     from nestling.train.features import draft_memory
 
     c = DraftConfig.from_target(
         SimpleNamespace(**cfg),
-        min(s.draft_vocab_size, int(cfg["vocab_size"])),
+        min(s.draft_vocab_size or AUTO_MIN, int(cfg["vocab_size"])),  # auto: priced at its floor
         layer_ids[:-1],
         num_hidden_layers=s.draft_layers,
     )

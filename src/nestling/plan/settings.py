@@ -51,9 +51,11 @@ class PlanSettings:
             raise NestlingError(f"tokens must be positive, got {self.tokens}")
         if not 0 < self.memory_utilization <= 1:
             raise NestlingError(f"memory_utilization is a share of GPU memory in (0, 1], got {self.memory_utilization}")
-        for name in ("seq_len", "token_budget", "batch_tokens", "ttt_steps", "draft_vocab_size", "draft_layers"):
+        for name in ("seq_len", "token_budget", "batch_tokens", "ttt_steps", "draft_layers"):
             if getattr(self, name) < 1:
                 raise NestlingError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.draft_vocab_size < 0:
+            raise NestlingError(f"draft_vocab_size must be 0 (auto) or positive, got {self.draft_vocab_size}")
         if self.backend not in ("auto", "vllm", "hf"):
             raise NestlingError(f"backend is auto, vllm or hf, got {self.backend!r}")
         if not 0 < self.moe_efficiency <= 1:

@@ -1,4 +1,4 @@
-"""`nestling train CAPTURE_DIR --out DIR [--epochs E | --steps N] [--ttt-steps 7]`, or online:
+"""`nestling train CAPTURE_DIR --out DIR [--epochs E | --steps N] [--ttt-steps K]`, or online:
 `nestling train DATA_DIR --online --target MODEL --out DIR` (the target runs in the loop, nothing is stored)."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from nestling.config import settings_from_args
+from nestling.train.settings import TrainSettings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,7 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--epochs", type=float, help="passes over the training split (default 1)")
     g.add_argument("--steps", type=int, help="optimizer steps (overrides epochs)")
-    p.add_argument("--ttt-steps", type=int, help="draft steps trained per position, K (default 7)")
+    p.add_argument(
+        "--ttt-steps", type=int, help=f"draft steps trained per position, K (default {TrainSettings.ttt_steps})"
+    )
     p.add_argument(
         "--resume",
         action="store_true",
@@ -58,7 +61,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from nestling.train.run import train
-    from nestling.train.settings import TrainSettings
 
     s = settings_from_args(TrainSettings, args, ("epochs", "steps", "ttt_steps", "online", "target"))
     resume = args.resume_from if args.resume_from is not None else args.resume

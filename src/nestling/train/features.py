@@ -350,6 +350,7 @@ def draft_memory(
 def draft_bytes_estimate(target: Path, s: "TrainSettings") -> int:
     """`draft_memory` summed for the draft `s` would train on `target`."""
     from nestling.draft.model import DraftConfig
+    from nestling.draft.vocab import AUTO_MIN
     from nestling.targets.layers import default_aux_layers, num_layers
     from nestling.targets.load import load_config
     from nestling.train.settings import draft_norms
@@ -358,7 +359,11 @@ def draft_bytes_estimate(target: Path, s: "TrainSettings") -> int:
     text = getattr(config, "text_config", None) or config
     aux = list(s.aux_layer_ids) if s.aux_layer_ids else default_aux_layers(num_layers(config))
     c = DraftConfig.from_target(
-        config, min(s.draft_vocab_size, int(text.vocab_size)), aux, num_hidden_layers=s.draft_layers, **draft_norms(s)
+        config,
+        min(s.draft_vocab_size or AUTO_MIN, int(text.vocab_size)),
+        aux,
+        num_hidden_layers=s.draft_layers,
+        **draft_norms(s),
     )
     if s.intermediate_size:
         c.intermediate_size = s.intermediate_size

@@ -13,7 +13,15 @@ from pathlib import Path
 
 import torch
 
-from nestling.draft.vocab import build_vocab, count_tokens, draft_ids_to_target, load_vocab
+from nestling.draft.vocab import (
+    AUTO_COVERAGE,
+    AUTO_MIN,
+    build_vocab,
+    count_tokens,
+    draft_ids_to_target,
+    load_vocab,
+    resolve_size,
+)
 from nestling.errors import NestlingError
 from nestling.capture.store import shard_rows
 from nestling.manifest import read_manifest
@@ -189,7 +197,13 @@ def make_vocab(inp: Inputs, s: TrainSettings, out: Path, vocab_size: int) -> tup
                 f"[train] draft_vocab_size={s.draft_vocab_size} is larger than the target's vocabulary: the draft "
                 f"drafts from all {vocab_size} tokens (draft_vocab_size={vocab_size})"
             )
-        d2t, t2d = build_vocab(counts, min(s.draft_vocab_size, vocab_size))
+        d2t, t2d = build_vocab(counts, resolve_size(counts, s.draft_vocab_size))
+        if s.draft_vocab_size == 0:
+            log(
+                f"[train] draft_vocab_size auto: {int(t2d.sum())} tokens, the fewest that cover "
+                f"{100 * AUTO_COVERAGE:g}% of the training split's supervised tokens, at least {AUTO_MIN} "
+                "(set draft_vocab_size=N to choose)"
+            )
     where = s.vocab or out / "vocab.safetensors"
     if t2d.numel() != vocab_size:
         raise NestlingError(
@@ -199,9 +213,10 @@ def make_vocab(inp: Inputs, s: TrainSettings, out: Path, vocab_size: int) -> tup
     ids = draft_ids_to_target(d2t)
     if ids.numel() != int(t2d.sum()) or not torch.equal(ids, t2d.nonzero().flatten()):
         raise NestlingError(f"vocabulary {where} is inconsistent: d2t and t2d name different tokens")
-    if s.vocab is None and ids.numel() != min(s.draft_vocab_size, vocab_size):
+    if s.vocab is None and ids.numel() != resolve_size(counts, s.draft_vocab_size):
+        asked = s.draft_vocab_size or f"0 (auto: {resolve_size(counts, 0)} for this data)"
         raise NestlingError(
             f"vocabulary {where} has {ids.numel()} tokens, the settings ask for draft_vocab_size "
-            f"{s.draft_vocab_size}: use a fresh --out folder or the matching setting"
+            f"{asked}: use a fresh --out folder or the matching setting"
         )
     return d2t, t2d
