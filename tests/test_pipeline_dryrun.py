@@ -109,6 +109,35 @@ def test_doctor_keeps_a_users_scratch_folder(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_dry_run_of_a_base_target_counts_documents_and_continuations(tmp_path, tiny_target, capsys):
+    """A base target (no chat template) regenerates one continuation per document and packs documents
+    into rows: the estimate says so, with no turns in its bound."""
+    from base_helpers import without_chat_template
+
+    from nestling.assets import cache_dir
+
+    base = without_chat_template(tiny_target("llama"), cache_dir() / "tiny" / "llama-s0-base-bos", with_bos=True)
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text(
+        "".join(json.dumps({"text": f"Document {i}: " + "words and more words " * 20}) + "\n" for i in range(12))
+    )
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        f"target: {base}\ninputs: [{texts}]\nrun_dir: {tmp_path / 'run'}\n"
+        "regenerate: {engine: hf, max_new_tokens: 32, max_turns: 16, dtype: float32, sampled: 1, prefix_tokens: 8}\n"
+        "data: {max_length: 256, held_out: 0.2}\ncapture: {dtype: float32}\ntrain: {batch_tokens: 512, online: false}\n"
+        "eval: {engine: reference}\n"
+    )
+    rc, out = nestling(capsys, "run", cfg, "--dry-run")
+    assert rc == 0, out
+    rows = {r["stage"]: r for r in json.loads((tmp_path / "run" / "dry-run" / "estimate.json").read_text())["stages"]}
+    assert rows["regenerate"]["tokens"] == 12 * 2 * 32  # documents x (greedy + sampled) x max_new_tokens
+    assert "at most 12 documents x 2 continuation(s) x 32 tokens" in rows["regenerate"]["note"]
+    note = rows["data"]["note"]
+    assert "rows of packed documents" in note and "continuations" in note and "turn" not in note
+
+
+@pytest.mark.slow
 def test_dry_run_estimates_a_regenerating_run_on_builtin_inputs(tmp_path, tiny_target, sharegpt_path, capsys):
     """A config as examples/gpu.yaml writes it (`builtin:sharegpt`, regenerate with a sampled pass):
     the estimate counts the built-in file's conversations, every answer the data stage will read

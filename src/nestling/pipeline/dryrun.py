@@ -182,15 +182,22 @@ def full_data_tokens(config: RunConfig, dry: dict[str, Measured], real_run_dir: 
     }
     if n_held:
         out["heldout"] = {"samples": n_held, "tokens": int(n_held * per), "supervised_tokens": int(n_held * per_sup)}
-    how = f"estimated: {n:,} conversations x the {samples} sampled"
+    text = dm.get("mode") == "text"  # a base target: documents packed into rows, one continuation each
+    how = f"estimated: {n:,} {'rows of packed documents' if text else 'conversations'} x the {samples} sampled"
     if config.settings.get("regenerate") is not None:  # the dry run's answers are short: tokens undercount
         r = config.settings["regenerate"]
+        reach = f"{_get(r, 'max_new_tokens')} tokens" + ("" if text else f" x {_get(r, 'max_turns') or 'all'} turns")
         how += (
-            f" (with the dry run's answers, <= {DRY_ANSWER_TOKENS} tokens in 1 turn, where the full run's reach "
-            f"{_get(r, 'max_new_tokens')} tokens x {_get(r, 'max_turns') or 'all'} turns: a lower bound "
-            "until the data stage has run)"
+            f" (with the dry run's {'continuations' if text else 'answers'}, <= {DRY_ANSWER_TOKENS} tokens"
+            f"{'' if text else ' in 1 turn'}, where the full run's reach {reach}: a lower bound until the data "
+            "stage has run)"
         )
     return out, how
+
+
+def is_text_regeneration(m: Measured) -> bool:
+    """The dry run's regenerate continued texts (a base target) rather than answering turns."""
+    return m.manifest.get("format") == "text_jsonl"
 
 
 def estimate(
@@ -284,7 +291,9 @@ def regenerate_estimate(config: RunConfig, m: Measured, s: Any) -> Estimate:
         int(_get(s, "max_turns") or 0),
         int(_get(s, "max_new_tokens")),
     )
-    if turns:  # max_turns 0 (every turn): no bound without counting each conversation's turns
+    if is_text_regeneration(m):  # one continuation per document and answer: turns do not apply
+        most, what = n * answers * cap, f"at most {n:,} documents x {answers} continuation(s)"
+    elif turns:  # max_turns 0 (every turn): no bound without counting each conversation's turns
         most, what = n * answers * turns * cap, f"at most {n:,} conversations x {answers} answer(s) x {turns} turns"
     else:
         most, what = 0, f"{n:,} conversations x {answers} answer(s) x every turn (no bound)"
