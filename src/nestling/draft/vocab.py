@@ -15,8 +15,9 @@ from nestling.errors import NestlingError
 
 # draft_vocab_size 0 (auto): the fewest most frequent tokens that cover AUTO_COVERAGE of the training
 # split's supervised tokens, never fewer than AUTO_MIN. Each 1% of served tokens outside the vocabulary
-# cost 0.015-0.03 tokens per target forward on SmolLM2, whose 32,000 cover 99.4% (docs/train.md, "Draft
-# vocabulary"); a 262k multilingual vocabulary (Gemma-3) needs more rows for the same share.
+# cost 0.015-0.03 tokens per target forward on SmolLM2, whose 32,000 cover 99.4%
+# (docs/train.md, "Draft vocabulary"); a 262k multilingual vocabulary (Gemma-3) needs more rows for the
+# same share (docs/results/recipe.md, "The draft vocabulary").
 AUTO_COVERAGE = 0.99
 AUTO_MIN = 32000
 AUTO_ROUND = 128  # rows come in multiples of this (matmul tiles); capped at the vocabulary
