@@ -57,15 +57,7 @@ def test_mla_target_matches_hf_at_every_layer_float32(tiny_target, tmp_path, q_l
     data = _data(tmp_path, target, n_train=5, n_heldout=1, min_words=5, max_words=60)
     layers = "0,1,2,3,4,5,6"
     _vllm_capture(data, target, tmp_path / "vllm", "float32", layers)
-    ids = [int(x) for x in layers.split(",")]
-    capture(
-        data,
-        target,
-        tmp_path / "hf",
-        CaptureSettings(
-            backend="hf", device="cpu", dtype="float32", layers=ids, token_budget=512, progress_interval=60
-        ),
-    )
+    _hf_capture(data, target, tmp_path / "hf", layers, token_budget=512)
     assert verify(tmp_path / "vllm") == []
     for split in ("train", "heldout"):
         err = _err_over_rms(tmp_path / "vllm", tmp_path / "hf", split)
@@ -357,18 +349,10 @@ def test_tensor_parallel_2_equals_transformers_on_the_cpu_build(arch, llama_kv2,
     data = _data(tmp_path, target, n_train=4, n_heldout=0, min_words=5, max_words=60)
     # without the suite's AVX2 pins: under ATEN_CPU_CAPABILITY=avx2, rank 1's vocab-sharded embedding
     # (get_masked_input_and_mask, torch.compile'd) indexes out of range (docs/capture-vllm.md)
-    ids = [int(x) for x in layers.split(",")]
-    capture(
-        data,
-        target,
-        tmp_path / "hf",
-        CaptureSettings(
-            backend="hf", device="cpu", dtype="float32", layers=ids, token_budget=512, progress_interval=60
-        ),
-    )
+    _hf_capture(data, target, tmp_path / "hf", layers, token_budget=512)
     _vllm_capture(data, target, tmp_path / "tp2", "float32", layers, "tensor_parallel_size=2", pins=False)
     m = json.loads((tmp_path / "tp2" / "manifest.json").read_text())
-    assert m["layer_ids"] == ids and m["settings"]["tensor_parallel_size"] == 2
+    assert m["layer_ids"] == [int(x) for x in layers.split(",")] and m["settings"]["tensor_parallel_size"] == 2
     err = _err_over_rms(tmp_path / "tp2", tmp_path / "hf")
     assert bool((err <= 1e-4).all()), err
     assert bool((err[1:] > 0).any())  # another engine really ran: its sums differ in the last bits

@@ -108,6 +108,22 @@ def test_doctor_keeps_a_users_scratch_folder(tmp_path, capsys):
     assert mine.read_text() == '[{"my": "data"}]' and sorted(p.name for p in tmp_path.iterdir()) == [mine.name]
 
 
+def regenerating_dry_run(tmp_path: Path, capsys, target, inputs, regenerate: str) -> tuple[dict, str]:
+    """`nestling run --dry-run` of a small regenerating config on the CPU: the estimate's rows by stage
+    and the output. `regenerate`: that section's settings besides `engine: hf`."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        f"target: {target}\ninputs: [{inputs}]\nrun_dir: {tmp_path / 'run'}\n"
+        f"regenerate: {{engine: hf, {regenerate}}}\n"
+        "data: {max_length: 256, held_out: 0.2}\ncapture: {dtype: float32}\ntrain: {batch_tokens: 512, online: false}\n"
+        "eval: {engine: reference}\n"
+    )
+    rc, out = nestling(capsys, "run", cfg, "--dry-run")
+    assert rc == 0, out
+    report = json.loads((tmp_path / "run" / "dry-run" / "estimate.json").read_text())
+    return {r["stage"]: r for r in report["stages"]}, out
+
+
 @pytest.mark.slow
 def test_dry_run_of_a_base_target_counts_documents_and_continuations(tmp_path, tiny_target, capsys):
     """A base target (no chat template) regenerates one continuation per document and packs documents
@@ -121,16 +137,9 @@ def test_dry_run_of_a_base_target_counts_documents_and_continuations(tmp_path, t
     texts.write_text(
         "".join(json.dumps({"text": f"Document {i}: " + "words and more words " * 20}) + "\n" for i in range(12))
     )
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text(
-        f"target: {base}\ninputs: [{texts}]\nrun_dir: {tmp_path / 'run'}\n"
-        "regenerate: {engine: hf, max_new_tokens: 32, max_turns: 16, dtype: float32, sampled: 1, prefix_tokens: 8}\n"
-        "data: {max_length: 256, held_out: 0.2}\ncapture: {dtype: float32}\ntrain: {batch_tokens: 512, online: false}\n"
-        "eval: {engine: reference}\n"
+    rows, _ = regenerating_dry_run(
+        tmp_path, capsys, base, texts, "max_new_tokens: 32, max_turns: 16, dtype: float32, sampled: 1, prefix_tokens: 8"
     )
-    rc, out = nestling(capsys, "run", cfg, "--dry-run")
-    assert rc == 0, out
-    rows = {r["stage"]: r for r in json.loads((tmp_path / "run" / "dry-run" / "estimate.json").read_text())["stages"]}
     assert rows["regenerate"]["tokens"] == 12 * 2 * 32  # documents x (greedy + sampled) x max_new_tokens
     assert "at most 12 documents x 2 continuation(s) x 32 tokens" in rows["regenerate"]["note"]
     note = rows["data"]["note"]
@@ -142,17 +151,13 @@ def test_dry_run_estimates_a_regenerating_run_on_builtin_inputs(tmp_path, tiny_t
     """A config as examples/gpu.yaml writes it (`builtin:sharegpt`, regenerate with a sampled pass):
     the estimate counts the built-in file's conversations, every answer the data stage will read
     (greedy + sampled), the regeneration's tokens at most, and says the dry answers undercount."""
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text(
-        f"target: {tiny_target('llama')}\ninputs: [builtin:sharegpt]\nrun_dir: {tmp_path / 'run'}\n"
-        "regenerate: {engine: hf, limit: 10, max_new_tokens: 64, max_turns: 2, dtype: float32, sampled: 1}\n"
-        "data: {max_length: 256, held_out: 0.2}\ncapture: {dtype: float32}\ntrain: {batch_tokens: 512, online: false}\n"
-        "eval: {engine: reference}\n"
+    rows, out = regenerating_dry_run(
+        tmp_path,
+        capsys,
+        tiny_target("llama"),
+        "builtin:sharegpt",
+        "limit: 10, max_new_tokens: 64, max_turns: 2, dtype: float32, sampled: 1",
     )
-    rc, out = nestling(capsys, "run", cfg, "--dry-run")
-    assert rc == 0, out
-    report = json.loads((tmp_path / "run" / "dry-run" / "estimate.json").read_text())
-    rows = {r["stage"]: r for r in report["stages"]}
     assert rows["regenerate"]["tokens"] == 10 * 2 * 2 * 64  # conversations x answers x turns x max_new_tokens
     assert "at most 10 conversations x 2 answer(s) x 2 turns x 64 tokens" in rows["regenerate"]["note"]
     assert "not scaled" in rows["regenerate"]["note"]

@@ -21,11 +21,13 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = "0,2,5,6"  # the tiny llama has 6 layers: embeddings, two aux, and the final state
 
 
-def _hf_capture(data: Path, target: Path, out: Path, **kw) -> dict:
-    """The hf backend's fp32 store of the same layers and budget: what the vllm backend is held to."""
-    layers = [int(x) for x in LAYERS.split(",")]
+def _hf_capture(data: Path, target: Path, out: Path, layers: str = LAYERS, **kw) -> dict:
+    """The hf backend's fp32 store of the same layers and budget: what the vllm backend is held to.
+    `kw`: further capture settings (token_budget 256 unless given)."""
+    ids = [int(x) for x in layers.split(",")]
     settings = CaptureSettings(
-        backend="hf", device="cpu", dtype="float32", layers=layers, token_budget=256, progress_interval=60, **kw
+        **{"backend": "hf", "device": "cpu", "dtype": "float32", "layers": ids, "token_budget": 256, **kw},
+        progress_interval=60,
     )
     return capture(data, target, out, settings)
 
