@@ -203,3 +203,17 @@ def test_the_command_line_in_a_callers_process_leaves_its_signal_handlers(tmp_pa
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def test_a_stopped_text_regeneration_counts_its_documents(tmp_path):
+    """A base target's regeneration writes text.jsonl: what a stop keeps is counted there, as documents
+    (the state's byte count vouches for three rows; a torn fourth and the journal's one row count as
+    the state and journal say)."""
+    from nestling.interrupt import kept
+
+    (tmp_path / "text.jsonl").write_bytes(b'{"text": "a"}\n' * 3 + b'{"text": "torn')
+    (tmp_path / "state.json").write_text(json.dumps({"bytes": {"text.jsonl": 14 * 3, "failed.jsonl": 0}}))
+    (tmp_path / "partial.jsonl").write_text('{"row": 1}\n')
+    assert kept("regenerate", tmp_path) == f"4 continued document(s) in {tmp_path}; the rerun answers only the rest"
+    (tmp_path / "state.json").write_text(json.dumps({"bytes": {"text.jsonl": 14, "failed.jsonl": 0}}))
+    assert kept("regenerate", tmp_path).startswith("2 continued document(s)")

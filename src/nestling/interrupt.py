@@ -143,23 +143,28 @@ def kept(stage: str, folder: str | Path) -> str:
 
 
 def _regenerate_kept(folder: Path) -> str:
+    """What a stopped regeneration keeps: the rows its state vouches for plus its journal's, named as
+    its mode writes them (conversations in messages.jsonl, documents in text.jsonl)."""
     import json
 
-    n = 0
+    n, text = 0, False
     # a run of several inputs regenerates each in a subfolder of its own (pipeline/stages.py regenerate_dirs)
     mains = [folder] + sorted(d for d in folder.iterdir() if d.is_dir() and d.name != "sampled")
     for sub in (x for m in mains for x in (m, m / "sampled")):
         try:
             state = json.loads((sub / "state.json").read_text())
-            size = int(state["bytes"]["messages.jsonl"])
-            with open(sub / "messages.jsonl", "rb") as f:
-                n += f.read(size).count(b"\n")
-        except (OSError, ValueError, KeyError, TypeError):
+            for name, size in state["bytes"].items():
+                if name in ("messages.jsonl", "text.jsonl"):
+                    text = text or name == "text.jsonl"
+                    with open(sub / name, "rb") as f:
+                        n += f.read(int(size)).count(b"\n")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
         journal = sub / "partial.jsonl"
         if journal.exists():
             n += journal.read_bytes().count(b"\n")
-    return f"{n} answered conversation(s) in {folder}; the rerun answers only the rest"
+    what = "continued document(s)" if text else "answered conversation(s)"
+    return f"{n} {what} in {folder}; the rerun answers only the rest"
 
 
 def message(command: str, e: BaseException) -> str:
