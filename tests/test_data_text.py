@@ -6,6 +6,7 @@ Real tokenizers (SmolLM2's, with and without its template, and with a BOS post-p
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,15 @@ def test_a_gguf_targets_bos_flag_is_read_from_its_header():
     # as the gguf package's reader reads them (which parses the whole vocabulary first: seconds)
     for g, adds in ((vocab_gguf("llama-spm"), True), (vocab_gguf("llama-bpe"), False), (smollm2_gguf(), False)):
         assert gguf_adds_bos(g) is adds, g.name
+
+
+def test_two_text_inputs_are_logged_as_documents(tmp_path, base_dir, capsys):
+    """With several text inputs the data log gives each one's share in documents, not conversations."""
+    a = _write(tmp_path, [{"text": t} for t in DOCS[:5]], "a.jsonl")
+    b = _write(tmp_path, [{"text": t} for t in DOCS[5:]], "b.jsonl")
+    m = prepare_data([a, b], base_dir, tmp_path / "out", DataSettings(workers=1, max_length=96, held_out=0.0))
+    err = capsys.readouterr().err
+    assert m["mode"] == "text" and "documents" in err
+    assert re.search(r"\[data\] source a\.jsonl: 5 documents, [\d,]+ tokens", err), err
+    assert re.search(r"\[data\] source b\.jsonl: 7 documents, [\d,]+ tokens", err), err
+    assert "conversations" not in err, err

@@ -100,3 +100,29 @@ def test_every_input_is_regenerated_and_weighed_by_its_config_name(tmp_path, tin
     assert all(
         json.loads(f.parent.joinpath("manifest.json").read_text())["settings"]["max_new_tokens"] == 5 for f in files
     )
+
+
+@pytest.mark.slow
+def test_two_base_target_inputs_are_continued_and_logged_as_documents(tmp_path, tiny_target, capsys):
+    """A target without a chat template: each input's texts are continued (text.jsonl) and the data log
+    gives each input's share in documents."""
+    from base_helpers import without_chat_template
+
+    target = without_chat_template(tiny_target("llama"), tmp_path / "base")
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for path, n in ((a, 3), (b, 2)):
+        path.write_text(
+            "".join(json.dumps({"text": f"Text {i} of {path.stem}: the sky is blue."}) + "\n" for i in range(n))
+        )
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        f"target: {target}\ninputs: [{a}, {b}]\nrun_dir: {tmp_path / 'run'}\n"
+        "regenerate: {engine: hf, max_new_tokens: 4, dtype: float32, sampled: 0, prefix_tokens: 4}\n"
+        "data: {max_length: 256, workers: 1}\n"
+    )
+    assert [(o.name, o.action) for o in run(cfg, until="data")] == [("regenerate", "ran"), ("data", "ran")]
+    regen = tmp_path / "run" / "regenerate"
+    assert [len((regen / d / "text.jsonl").read_text().splitlines()) for d in ("0-a", "1-b")] == [3, 2]
+    err = capsys.readouterr().err
+    assert "[data] input a (1 regenerated file(s)): 3 documents" in err, err
+    assert "[data] input b (1 regenerated file(s)): 2 documents" in err, err

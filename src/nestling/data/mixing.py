@@ -72,11 +72,12 @@ def source_of(sample_id: str) -> str:
     return sample_id.rsplit(":", 1)[0]
 
 
-def share_lines(by_source: dict[str, dict[str, int]]) -> list[str]:
-    """One log line per source: conversations, tokens and share of all kept tokens."""
+def share_lines(by_source: dict[str, dict[str, int]], unit: str = "conversations") -> list[str]:
+    """One log line per source: its records (`unit`: conversations, or a text run's documents), tokens
+    and share of all kept tokens."""
     total = sum(s["tokens"] for s in by_source.values()) or 1
     return [
-        f"[data] source {name}: {s['conversations']:,} conversations, {s['tokens']:,} tokens, "
+        f"[data] source {name}: {s['conversations']:,} {unit}, {s['tokens']:,} tokens, "
         f"{s['tokens'] / total:.1%} of the tokens"
         for name, s in by_source.items()
     ]

@@ -353,7 +353,7 @@ def _log_summary(shards: Shards, read: int, settings: DataSettings, elapsed: flo
     if len(shards.by_source) > 1:
         from nestling.data.mixing import share_lines
 
-        for line in share_lines(shards.by_source):
+        for line in share_lines(shards.by_source, "documents" if shards.pack else "conversations"):
             log(line)
     hint = cut_hint(shards.supervised_cut, kept, settings.max_length, "tokens" if shards.pack else "assistant tokens")
     if hint:

@@ -140,12 +140,13 @@ def _data(ctx: StageContext) -> Any:
 
 
 def _log_input_shares(inputs: list[str], per_input: list[list[str]], manifest: Any) -> None:
-    """One line per run input: the conversations and tokens the data stage kept of what regenerate wrote
+    """One line per run input: the conversations (documents) and tokens the data stage kept of what regenerate wrote
     for it (the data log names those files, `K-messages.jsonl`, not the inputs)."""
     from nestling.data.readers import sample_names
     from nestling.progress import log
 
     sources = (manifest.get("sources") if isinstance(manifest, dict) else None) or {}
+    unit = "documents" if isinstance(manifest, dict) and manifest.get("mode") == "text" else "conversations"
     names = iter(sample_names([Path(f) for fs in per_input for f in fs]))
     rows = []
     for src, files in zip(inputs, per_input):
@@ -155,7 +156,7 @@ def _log_input_shares(inputs: list[str], per_input: list[list[str]], manifest: A
     total = sum(r[3] for r in rows) or 1
     for src, n, conv, tok in rows:
         log(
-            f"[data] input {input_label(src)} ({n} regenerated file(s)): {conv:,} conversations, {tok:,} tokens, "
+            f"[data] input {input_label(src)} ({n} regenerated file(s)): {conv:,} {unit}, {tok:,} tokens, "
             f"{tok / total:.1%} of the tokens"
         )
 
