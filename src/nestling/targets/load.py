@@ -51,12 +51,40 @@ def convert_gguf(gguf: Path, out: Path, dtype: str = "bfloat16") -> Path:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, **bos)
     except Exception as e:  # noqa: BLE001 - the GGUF reader fails on a damaged file with struct.error, ValueError, ...
         raise _damaged_gguf(gguf, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from None
+    check_tokenizer_splits_words(tok, gguf)
     tmp = Path(str(out) + ".part")
     tmp.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     tmp.rename(out) if not out.exists() else None
     return out
+
+
+# Plain English that every real LLM vocabulary (32k tokens and more: Llama, Qwen, Phi-3, GPT-2, SmolLM2,
+# Gemma) splits into 1.1-1.25 tokens per word.
+WORD_PROBE = "The quick brown fox jumps over the lazy dog. It was the best of times, it was the worst of times."
+MAX_TOKENS_PER_WORD = 1.4
+
+
+def check_tokenizer_splits_words(tok: Any, source: Path) -> None:
+    """Refuse a tokenizer rebuilt without its merges. transformers 5.16-5.17 rebuild Gemma-3's GGUF
+    vocabulary that way: every word falls into pieces of one or two characters, so the target reads
+    text it was never trained on and its answers, and a draft trained on them, are worthless; nothing
+    else fails. Vocabularies under 16k tokens are not judged."""
+    if len(tok) < 16_000:
+        return
+    n = len(tok(WORD_PROBE, add_special_tokens=False)["input_ids"])
+    words = len(WORD_PROBE.split())
+    if n > MAX_TOKENS_PER_WORD * words:
+        import transformers
+
+        raise NestlingError(
+            f"the tokenizer transformers {transformers.__version__} rebuilt from {source.name} splits {words} "
+            f"English words into {n} tokens (a working one: about {words * 1.2:.0f}): it lost the vocabulary's "
+            "merges, and the target would read text it never saw. transformers 5.16 and 5.17 do this to "
+            "some GGUF vocabularies (Gemma-3's); install transformers>=5.18, or give --target the model's "
+            "folder with its own tokenizer.json"
+        )
 
 
 def gguf_adds_bos(gguf: Path) -> bool:
