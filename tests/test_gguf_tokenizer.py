@@ -54,3 +54,21 @@ def test_the_conversion_builds_nothing_from_a_broken_tokenizer(tmp_path, monkeyp
     with pytest.raises(NestlingError, match="lost the vocabulary's merges"):
         convert_gguf(smollm2_gguf(), out)
     assert not out.exists() and not Path(str(out) + ".part").exists()
+
+
+@pytest.mark.slow
+def test_a_gguf_converted_before_the_check_is_converted_again(tmp_path, monkeypatch):
+    """A cached conversion from before the check (named without "-words") may hold a faulty tokenizer:
+    resolve_target converts the GGUF again, checked, beside it, and never reads the old folder."""
+    from nestling.assets import smollm2_gguf
+    from nestling.manifest import hash_files
+    from nestling.targets.load import resolve_target
+
+    gguf = smollm2_gguf()  # from the real cache, before the cache moves
+    monkeypatch.setenv("NESTLING_CACHE", str(tmp_path))
+    old = tmp_path / "models" / f"{gguf.stem}-{hash_files([gguf])}"
+    old.mkdir(parents=True)
+    (old / "config.json").write_text("{}")  # would break any load that used it
+    got = resolve_target(gguf)
+    assert got.name == f"{old.name}-words" and (got / "tokenizer.json").exists()
+    assert (old / "config.json").read_text() == "{}"

@@ -173,8 +173,9 @@ def resolve_target(model: str | Path) -> Path:
     if is_gguf(model):
         if not p.exists():
             raise NestlingError(f"target {model} does not exist")
-        # "-bos": converted with the BOS flag kept (gguf_adds_bos); a folder converted without it is redone
-        out = cache_dir() / "models" / f"{p.stem}-{hash_files([p])}{'-bos' if gguf_adds_bos(p) else ''}"
+        # "-bos": converted with the BOS flag kept (gguf_adds_bos); "-words": its tokenizer passed
+        # check_tokenizer_splits_words. A folder converted before either is redone.
+        out = cache_dir() / "models" / f"{p.stem}-{hash_files([p])}{'-bos' if gguf_adds_bos(p) else ''}-words"
         return build_once(out, lambda tmp: convert_gguf(p, tmp))
     if p.is_dir():
         if not (p / "config.json").exists():
