@@ -17,8 +17,7 @@ PYTHON=.venv/bin/python bash scripts/lint.sh
 export NESTLING_CACHE=${NESTLING_CACHE:-$HOME/.cache/nestling}
 WORKERS=${NESTLING_TEST_WORKERS:-2}
 PAR=()
-# whole files, in the order tests/conftest.py sets (long files first), not xdist's (most tests first)
-if [ "$WORKERS" != 0 ]; then PAR=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder); fi
+if [ "$WORKERS" != 0 ]; then PAR=(-n "$WORKERS" --dist loadfile); fi
 set +e
 .venv/bin/python -m pytest -q -ra --durations=25 "${PAR[@]}" "${FAST[@]}" "${ARGS[@]}"
 rc=$?

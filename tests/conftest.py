@@ -21,20 +21,6 @@ for _var, _isa in (
     os.environ.setdefault(_var, _isa)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files with an engine or a real SmolLM2 run (marked vllm or slow) first. scripts/test.sh hands whole
-    files to two workers in this order (--dist loadfile --no-loadscope-reorder): a long file started
-    last would leave one core idle while the other finishes it; the short unit files fill in at the end."""
-
-    def weight(item: pytest.Item) -> int:
-        return 0 if item.get_closest_marker("vllm") else 1 if item.get_closest_marker("slow") else 2
-
-    heaviest: dict[Path, int] = {}
-    for item in items:
-        heaviest[item.path] = min(heaviest.get(item.path, 2), weight(item))
-    items.sort(key=lambda item: heaviest[item.path])  # stable: each file keeps its own order
-
-
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct as a bf16 safetensors folder."""
