@@ -66,20 +66,33 @@ def test_sampled_pass_feeds_data_in_the_same_split(tmp_path, tiny_target, shareg
     assert json.loads((data_dir / "manifest.json").read_text())["counts"]["read"] == len(rows[0])
 
 
+def two_input_run(tmp_path: Path, target, record, regenerate: str, data: str = "") -> Path:
+    """A run config over two inputs, a.jsonl (3 records) and b.jsonl (2), each record `record(stem, i)`,
+    regenerated in the hf engine with the `regenerate` settings; `data`: more data settings."""
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for path, n in ((a, 3), (b, 2)):
+        path.write_text("".join(json.dumps(record(path.stem, i)) + "\n" for i in range(n)))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        f"target: {target}\ninputs: [{a}, {b}]\nrun_dir: {tmp_path / 'run'}\n"
+        f"regenerate: {{engine: hf, {regenerate}}}\n"
+        f"data: {{max_length: 256, workers: 1{', ' + data if data else ''}}}\n"
+    )
+    return cfg
+
+
 @pytest.mark.slow
 def test_every_input_is_regenerated_and_weighed_by_its_config_name(tmp_path, tiny_target, capsys):
     """inputs: [a, b] -> regenerate answers both (regenerate/0-a/, regenerate/1-b/, each with its sampled
     pass), the data stage reads all four files, `data.weights` named as the config names an input weighs
     what regenerate wrote for it, and the log gives each input's share; a changed setting clears both."""
-    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    for path, n in ((a, 3), (b, 2)):
-        conv = [{"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "Blue, like the sky."}]
-        path.write_text("".join(json.dumps({"id": f"{path.stem}{i}", "conversations": conv}) + "\n" for i in range(n)))
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text(
-        f"target: {tiny_target('llama')}\ninputs: [{a}, {b}]\nrun_dir: {tmp_path / 'run'}\n"
-        "regenerate: {engine: hf, max_new_tokens: 4, max_turns: 1, dtype: float32, sampled: 1}\n"
-        "data: {max_length: 256, workers: 1, weights: {b.jsonl: 2}}\n"
+    conv = [{"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "Blue, like the sky."}]
+    cfg = two_input_run(
+        tmp_path,
+        tiny_target("llama"),
+        lambda stem, i: {"id": f"{stem}{i}", "conversations": conv},
+        "max_new_tokens: 4, max_turns: 1, dtype: float32, sampled: 1",
+        "weights: {b.jsonl: 2}",
     )
     assert [(o.name, o.action) for o in run(cfg, until="data")] == [("regenerate", "ran"), ("data", "ran")]
     regen = tmp_path / "run" / "regenerate"
@@ -109,16 +122,11 @@ def test_two_base_target_inputs_are_continued_and_logged_as_documents(tmp_path, 
     from base_helpers import without_chat_template
 
     target = without_chat_template(tiny_target("llama"), tmp_path / "base")
-    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    for path, n in ((a, 3), (b, 2)):
-        path.write_text(
-            "".join(json.dumps({"text": f"Text {i} of {path.stem}: the sky is blue."}) + "\n" for i in range(n))
-        )
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text(
-        f"target: {target}\ninputs: [{a}, {b}]\nrun_dir: {tmp_path / 'run'}\n"
-        "regenerate: {engine: hf, max_new_tokens: 4, dtype: float32, sampled: 0, prefix_tokens: 4}\n"
-        "data: {max_length: 256, workers: 1}\n"
+    cfg = two_input_run(
+        tmp_path,
+        target,
+        lambda stem, i: {"text": f"Text {i} of {stem}: the sky is blue."},
+        "max_new_tokens: 4, dtype: float32, sampled: 0, prefix_tokens: 4",
     )
     assert [(o.name, o.action) for o in run(cfg, until="data")] == [("regenerate", "ran"), ("data", "ran")]
     regen = tmp_path / "run" / "regenerate"
